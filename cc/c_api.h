@@ -1,0 +1,44 @@
+/* A small C API over the process-wide engine, for Python (ctypes) and for the TF kernels.
+ *
+ * The library holds at most one engine per process. All functions are thread-safe. Functions that
+ * can fail return 0 on success and a nonzero status code otherwise, writing the message into err. */
+#ifndef KUNGFU_CC_C_API_H_
+#define KUNGFU_CC_C_API_H_
+
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* peers: "h:p,h:p,..." in rank order; an empty string with rank 0 means a single-worker cluster.
+ * timeout_seconds <= 0 keeps the default; KUNGFU_* environment overrides apply afterwards. */
+int kungfu_init(const char* peers, int rank, const char* token, double timeout_seconds, uint32_t cluster_version,
+                char* err, int err_len);
+/* 1 when an engine is running. */
+int kungfu_initialized(void);
+int kungfu_rank(void);
+int kungfu_size(void);
+/* Waits for in-flight work (bounded by the timeout) and stops the engine. Safe to call twice. */
+int kungfu_finalize(void);
+/* Fills up to n counters in EngineStats order: started, completed, failed, in_flight, max_in_flight,
+ * bytes_sent, bytes_received, refused_handshakes. Returns how many were written. */
+int kungfu_stats(int64_t* out, int n);
+void kungfu_reset_stats(void);
+/* A blocking float32/int allreduce for tests and tools: dtype and op as in cc/dtype.h wire values. */
+int kungfu_all_reduce(const void* in, void* out, int64_t count, int dtype, int op, const char* name, char* err,
+                      int err_len);
+
+#ifdef __cplusplus
+}  // extern "C"
+
+#include <memory>
+namespace kungfu {
+class Engine;
+// The process-wide engine for the TF kernels; null before kungfu_init. The shared_ptr keeps the
+// engine alive while a kernel uses it, even if finalize runs concurrently.
+std::shared_ptr<Engine> GlobalEngine();
+}  // namespace kungfu
+#endif
+
+#endif  /* KUNGFU_CC_C_API_H_ */

@@ -1,0 +1,97 @@
+// The collective engine: asynchronous, name-keyed collectives over a versioned peer list.
+//
+// Design, in short:
+//  1. One event-loop thread owns every socket and every in-flight collective; collectives are state
+//     machines that advance when a message arrives or a send drains. No thread per operation, and
+//     no lock inside an algorithm. One more thread accepts connections and runs the handshake.
+//  2. Collectives are keyed by (name, generation): the generation counts how many times this worker
+//     has started that name. Workers may start collectives in any order; a message for one not started
+//     yet waits in a bounded buffer (max_pending_bytes). There is no per-step negotiation.
+//  3. Every message carries the sender's dtype, element count and algorithm; a mismatch fails the
+//     collective with InvalidArgument here and tells every other peer (an ABORT frame), so all fail alike.
+//  4. Every collective has a deadline (timeout). A peer whose connection closes fails every in-flight
+//     collective at once, naming the peer; later collectives fail immediately.
+//  5. Callbacks run on the loop thread: they must be quick and must not call back into a blocking wait.
+//  6. Buffers passed in must stay valid and unmodified until the callback runs.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cc/dtype.h"
+#include "cc/peer.h"
+#include "cc/status.h"
+
+namespace kungfu {
+
+struct EngineConfig {
+  PeerList peers;                     // rank order; version is the cluster version
+  int rank = 0;                       // this worker's index into peers
+  std::string token;                  // the job secret proven in the handshake
+  double timeout_seconds = 60;        // deadline of every blocking wait (KUNGFU_TIMEOUT)
+  int64_t ring_threshold_bytes = 256 << 10;  // allreduce at or above this size uses the ring
+  int64_t chunk_bytes = 1 << 20;      // pipeline piece size of the ring and chain broadcast
+  int64_t max_pending_bytes = int64_t{1} << 30;  // bound on data buffered for collectives not started
+  bool listen = true;                 // false only for a single-worker cluster
+};
+
+// Counters for tests and benchmarks; read with Engine::stats().
+struct EngineStats {
+  int64_t started = 0;         // collectives started
+  int64_t completed = 0;       // collectives finished OK
+  int64_t failed = 0;          // collectives finished with an error
+  int64_t in_flight = 0;       // started and not yet finished
+  int64_t max_in_flight = 0;   // high-water mark of in_flight since the last ResetStats()
+  int64_t bytes_sent = 0;      // payload bytes written to sockets
+  int64_t bytes_received = 0;  // payload bytes read from sockets
+  int64_t refused_handshakes = 0;
+};
+
+using DoneCallback = std::function<void(const Status&)>;
+
+class Engine {
+ public:
+  // Binds the listening port of peers[rank], connects to every other peer (retrying until the
+  // deadline while they start), and proves the token both ways.
+  static StatusOr<std::unique_ptr<Engine>> Start(const EngineConfig& config);
+  // Waits (up to the timeout) for in-flight collectives and queued sends, then closes everything.
+  ~Engine();
+
+  int rank() const;
+  int size() const;
+  const EngineConfig& config() const;
+
+  // out = reduce(in over workers). in == out is allowed. kMean divides by size().
+  void AllReduce(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name,
+                 DoneCallback done);
+  // buf on root is sent; on the others it is overwritten.
+  void Broadcast(void* buf, int64_t count, DType dtype, int root, const std::string& name, DoneCallback done);
+  // Worker r contributes counts[r] elements; out holds sum(counts) elements in rank order.
+  // Every worker must pass the same counts (checked).
+  void AllGather(const void* in, void* out, const std::vector<int64_t>& counts, DType dtype, const std::string& name,
+                 DoneCallback done);
+  void Barrier(const std::string& name, DoneCallback done);
+  // *same = whether every worker passed the same bytes (compared by SHA-256 digest and length).
+  void Consensus(const void* data, int64_t nbytes, bool* same, const std::string& name, DoneCallback done);
+
+  EngineStats stats() const;
+  void ResetStats();
+
+  // Synchronous helpers for tests and the C API: run one collective and wait for it.
+  Status AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name);
+
+  class Impl;
+
+ private:
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+// Reads KUNGFU_TIMEOUT, KUNGFU_RING_THRESHOLD, KUNGFU_CHUNK_BYTES and KUNGFU_MAX_PENDING_BYTES into
+// config, leaving fields whose variable is unset. Bad values are an InvalidArgument naming the variable.
+Status ApplyEnvOverrides(EngineConfig* config);
+
+}  // namespace kungfu

@@ -1,0 +1,50 @@
+#include <chrono>
+#include <cstring>
+
+#include "cc/tests/testing.h"
+
+namespace kungfu::testing {
+
+std::vector<TestCase>& Registry() {
+  static std::vector<TestCase> tests;
+  return tests;
+}
+
+namespace {
+int g_failures_in_test = 0;
+}
+
+void Fail(const char* file, int line, const std::string& what) {
+  ++g_failures_in_test;
+  std::fprintf(stderr, "  %s:%d: %s\n", file, line, what.c_str());
+}
+
+}  // namespace kungfu::testing
+
+// Usage: <test binary> [substring filter]
+int main(int argc, char** argv) {
+  using namespace kungfu::testing;
+  const char* filter = argc > 1 ? argv[1] : nullptr;
+  int passed = 0, failed = 0;
+  for (const auto& t : Registry()) {
+    if (filter && !std::strstr(t.name, filter)) continue;
+    g_failures_in_test = 0;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      t.fn();
+    } catch (const AssertionAbort&) {
+    } catch (const std::exception& e) {
+      Fail(__FILE__, __LINE__, std::string("uncaught exception: ") + e.what());
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    if (g_failures_in_test == 0) {
+      ++passed;
+      std::fprintf(stderr, "[ PASS ] %s (%.0f ms)\n", t.name, ms);
+    } else {
+      ++failed;
+      std::fprintf(stderr, "[ FAIL ] %s (%.0f ms)\n", t.name, ms);
+    }
+  }
+  std::printf("%s: %d passed, %d failed\n", argv[0], passed, failed);
+  return failed == 0 ? 0 : 1;
+}
