@@ -1,0 +1,194 @@
+"""Allreduce side by side: KungFu against OpenMPI (shared memory and TCP), TF MultiWorkerMirroredStrategy
+and the raw loopback TCP ceiling, float32 sum, on local processes.
+
+    python3 benchmarks/allreduce.py                       # np 2 and 4, 4 KiB .. 64 MiB, about 10 minutes
+    python3 benchmarks/allreduce.py --quick               # a smoke run of about 2 minutes
+    python3 benchmarks/allreduce.py --np=2 --sizes=16M --systems=kungfu,mpi_tcp
+
+Each system runs once per np and measures every size in that launch; each launch has a deadline, after which
+every process it started is killed. A system that cannot run (kungfu not installed, no mpirun, no cc) is
+listed as not measured and the rest still run. The tables are printed and written as markdown to --out.
+"""
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+from _allreduce import launch
+from _allreduce import report
+from _allreduce import systems as S
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list('np', ['2', '4'], 'numbers of local processes')
+flags.DEFINE_list('sizes', ['4K', '64K', '1M', '16M', '64M'], 'message sizes in bytes (K, M, G suffixes: KiB...)')
+flags.DEFINE_list('systems', ['kungfu', 'mpi', 'mpi_tcp', 'mwms', 'raw'], 'which systems to measure')
+flags.DEFINE_integer('iters', 200, 'most timed iterations per size (fewer when --seconds runs out)')
+flags.DEFINE_integer('min_iters', 5, 'fewest timed iterations per size')
+flags.DEFINE_integer('warmup', 3, 'untimed iterations per size')
+flags.DEFINE_float('seconds', 2.0, 'time budget per size and system for the timed iterations')
+flags.DEFINE_bool('quick', False, 'smoke run (about 2 minutes): defaults --seconds=0.25 --iters=30 --min_iters=3 '
+                  '--warmup=2')
+flags.DEFINE_integer('launch_timeout', 0, 'seconds before a launch is killed; 0 derives it from the plan')
+flags.DEFINE_string('launcher', sys.executable + ' -m kungfu.launcher', 'how to start kungfu workers')
+flags.DEFINE_string('out', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'allreduce.md'),
+                    'markdown report path; empty to skip')
+
+UNITS = {'K': 1 << 10, 'M': 1 << 20, 'G': 1 << 30}
+
+
+def parse_size(text):
+    text = text.strip().upper().rstrip('B').rstrip('I')
+    nbytes = int(text[:-1]) * UNITS[text[-1]] if text[-1] in UNITS else int(text)
+    if nbytes <= 0 or nbytes % 4:
+        raise ValueError('size %r must be a positive multiple of 4 bytes (float32)' % text)
+    return nbytes
+
+
+QUICK = dict(seconds=0.25, iters=30, min_iters=3, warmup=2)  # --quick's values for flags not given
+
+
+def _flag(name):
+    return QUICK[name] if FLAGS.quick and not FLAGS[name].present else FLAGS[name].value
+
+
+def make_plan(sizes, out_dir):
+    """What every worker is told (through harness.PLAN_ENV)."""
+    return dict(sizes=sizes, warmup=_flag('warmup'), max_iters=_flag('iters'), min_iters=_flag('min_iters'),
+                seconds=_flag('seconds'), out_dir=out_dir)
+
+
+def launch_timeout(plan, np):
+    if FLAGS.launch_timeout:
+        return FLAGS.launch_timeout
+    # start-up (TF import per rank on few cores) plus, per size, the budget, warm-up and barrier overheads
+    return 60 + 20 * np + len(plan['sizes']) * (3 * plan['seconds'] + 10)
+
+
+def _rank_files(out_dir, np):
+    paths = [os.path.join(out_dir, 'rank%d.json' % r) for r in range(np)]
+    return paths if all(os.path.exists(p) for p in paths) else None
+
+
+def read_ranks(out_dir, np):
+    """{series: {nbytes: median seconds}} from rank*.json, or None unless every rank wrote its file."""
+    paths = _rank_files(out_dir, np)
+    if paths is None:
+        return None
+    per_rank = []
+    for p in paths:
+        with open(p) as f:
+            per_rank.append(json.load(f))
+    merged = {}
+    for series in per_rank[0]:
+        for size in per_rank[0][series]:
+            t = report.combine_ranks([r[series][size] for r in per_rank])
+            if t:
+                merged.setdefault(series, {})[int(size)] = t
+    return merged
+
+
+def run_system(system, np, sizes, work_dir):
+    out_dir = tempfile.mkdtemp(prefix='%s-np%d-' % (system.key, np), dir=work_dir)
+    plan = make_plan(sizes, out_dir)
+    timeout = launch_timeout(plan, np)
+    procs = system.commands(np, plan)
+    print('[%s] %s, np %d (deadline %.0f s)' % (time.strftime('%H:%M:%S'), ' + '.join(system.series), np, timeout),
+          flush=True)
+    t0 = time.monotonic()
+    _, why, tail = launch.run_group([c for c, _ in procs], [e for _, e in procs], out_dir, timeout,
+                                     done=lambda: _rank_files(out_dir, np) is not None)
+    merged = read_ranks(out_dir, np)
+    if merged is None:
+        print('    failed: %s\n%s' % (why or 'no results written', tail), flush=True)
+        return None, why or 'no results written'
+    print('    done in %.0f s%s' % (time.monotonic() - t0, ' (%s)' % why if why else ''), flush=True)
+    return merged, ''
+
+
+def _first_line(*argv):
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 else '?'
+    except (OSError, subprocess.TimeoutExpired, IndexError):
+        return '?'
+
+
+def _version(*dists):
+    from importlib import metadata
+    for d in dists:
+        try:
+            return metadata.version(d)
+        except metadata.PackageNotFoundError:
+            pass
+    return 'not installed'
+
+
+def run_meta(plan):
+    """What a reader needs to judge the figures: when, on what, with which software and plan."""
+    cpu = '?'
+    with open('/proc/cpuinfo') as f:
+        cpu = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), '?')
+    with open('/proc/meminfo') as f:
+        mem_gib = int(f.readline().split()[1]) / (1 << 20)
+    here = os.path.dirname(os.path.abspath(__file__))
+    return [
+        ('date', datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')),
+        ('machine', 'nproc %d, %s, %.0f GiB, Linux %s' % (os.cpu_count(), cpu, mem_gib, platform.release())),
+        ('load average at start', '%.2f %.2f %.2f' % os.getloadavg()),
+        ('software', 'Python %s, TensorFlow %s, mpi4py %s, %s, kungfu %s (tree %s)' % (
+            platform.python_version(), _version('tensorflow-cpu', 'tensorflow'), _version('mpi4py'),
+            _first_line('mpirun', '--version'), _version('kungfu'),
+            _first_line('git', '-C', here, 'rev-parse', '--short', 'HEAD'))),
+        ('plan', 'per size and system: %d warm-up, then %d to %d timed iterations within %.2f s%s' % (
+            plan['warmup'], plan['min_iters'], plan['max_iters'], plan['seconds'],
+            ' (--quick)' if FLAGS.quick else '')),
+    ]
+
+
+def main(argv):
+    del argv
+    nps = sorted({int(n) for n in FLAGS.np})
+    sizes = sorted({parse_size(s) for s in FLAGS.sizes})
+    unknown = set(FLAGS.systems) - {'kungfu', 'mpi', 'mpi_tcp', 'mwms', 'raw'}
+    if unknown or min(nps) < 2:
+        raise app.UsageError('--systems takes kungfu, mpi, mpi_tcp, mwms, raw; --np values must be >= 2')
+    results, failures = {}, []
+    with tempfile.TemporaryDirectory(prefix='kf-allreduce-') as work_dir:
+        meta = run_meta(make_plan(sizes, work_dir))
+        binary = S.build_tcp_ring(work_dir) if 'raw' in FLAGS.systems else None
+        chosen = [s for s in S.all_systems(FLAGS.launcher.split(), binary) if s.key in FLAGS.systems]
+        if 'kungfu' in FLAGS.systems:
+            why = S.kungfu_importable(FLAGS.launcher.split())
+            if why:
+                print('kungfu skipped: ' + why)
+                failures.append(('kungfu', why))
+                chosen = [s for s in chosen if s.key != 'kungfu']
+        runs = [(s, np) for np in nps for s in chosen if s.available]
+        if binary:
+            runs.append((S.oneway_system(binary), 2))
+        for system, np in runs:
+            merged, why = run_system(system, np, sizes, work_dir)
+            if merged is None:
+                failures.append(('%s, np %d' % (' + '.join(system.series), np), why))
+                continue
+            for series, by_size in merged.items():
+                results.setdefault(series, {})[np] = by_size
+    failures += [(s.key, 'not available on this machine') for s in chosen if not s.available]
+    text = report.render(results, nps, sizes, meta, failures)
+    print('\n' + text)
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+        with open(FLAGS.out, 'w') as f:
+            f.write(text)
+        print('written to ' + FLAGS.out)
+
+
+if __name__ == '__main__':
+    app.run(main)
