@@ -1,0 +1,116 @@
+// The process-wide engine behind the C API. One mutex guards the pointer; the engine itself is
+// thread-safe. A shared_ptr lets a kernel that holds the engine finish even if finalize runs.
+#include "cc/c_api.h"
+
+#include <cstring>
+#include <mutex>
+#include <string>
+
+#include "cc/engine.h"
+
+namespace kungfu {
+namespace {
+
+std::mutex g_mu;
+std::shared_ptr<Engine> g_engine;
+
+int Report(const Status& s, char* err, int err_len) {
+  if (err != nullptr && err_len > 0) {
+    std::strncpy(err, s.message().c_str(), static_cast<size_t>(err_len) - 1);
+    err[err_len - 1] = '\0';
+  }
+  return static_cast<int>(s.code());
+}
+
+}  // namespace
+
+std::shared_ptr<Engine> GlobalEngine() {
+  std::lock_guard<std::mutex> lock(g_mu);
+  return g_engine;
+}
+
+}  // namespace kungfu
+
+using kungfu::Status;
+
+extern "C" {
+
+int kungfu_init(const char* peers, int rank, const char* token, double timeout_seconds, uint32_t cluster_version,
+                char* err, int err_len) {
+  std::lock_guard<std::mutex> lock(kungfu::g_mu);
+  if (kungfu::g_engine) {
+    return kungfu::Report(kungfu::FailedPrecondition("kungfu is already initialised"), err, err_len);
+  }
+  kungfu::EngineConfig config;
+  const std::string peer_text = peers ? peers : "";
+  if (peer_text.empty()) {
+    config.peers = kungfu::PeerList({kungfu::PeerID{"127.0.0.1", 0}}, cluster_version);
+    config.listen = false;
+  } else {
+    auto list = kungfu::PeerList::Parse(peer_text, cluster_version);
+    if (!list.ok()) return kungfu::Report(list.status(), err, err_len);
+    config.peers = std::move(list.value());
+  }
+  config.rank = rank;
+  config.token = token ? token : "";
+  if (timeout_seconds > 0) config.timeout_seconds = timeout_seconds;
+  Status s = kungfu::ApplyEnvOverrides(&config);
+  if (!s.ok()) return kungfu::Report(s, err, err_len);
+  auto engine = kungfu::Engine::Start(config);
+  if (!engine.ok()) return kungfu::Report(engine.status(), err, err_len);
+  kungfu::g_engine = std::shared_ptr<kungfu::Engine>(std::move(engine.value()));
+  return 0;
+}
+
+int kungfu_initialized(void) { return kungfu::GlobalEngine() != nullptr; }
+
+int kungfu_rank(void) {
+  auto e = kungfu::GlobalEngine();
+  return e ? e->rank() : 0;
+}
+
+int kungfu_size(void) {
+  auto e = kungfu::GlobalEngine();
+  return e ? e->size() : 1;
+}
+
+int kungfu_finalize(void) {
+  std::shared_ptr<kungfu::Engine> e;
+  {
+    std::lock_guard<std::mutex> lock(kungfu::g_mu);
+    e.swap(kungfu::g_engine);
+  }
+  e.reset();  // waits for in-flight work unless a kernel still holds a reference
+  return 0;
+}
+
+int kungfu_stats(int64_t* out, int n) {
+  auto e = kungfu::GlobalEngine();
+  if (!e || out == nullptr) return 0;
+  const kungfu::EngineStats s = e->stats();
+  const int64_t values[] = {s.started,       s.completed, s.failed,         s.in_flight,
+                            s.max_in_flight, s.bytes_sent, s.bytes_received, s.refused_handshakes};
+  const int count = n < 8 ? n : 8;
+  for (int i = 0; i < count; ++i) out[i] = values[i];
+  return count;
+}
+
+void kungfu_reset_stats(void) {
+  auto e = kungfu::GlobalEngine();
+  if (e) e->ResetStats();
+}
+
+int kungfu_all_reduce(const void* in, void* out, int64_t count, int dtype, int op, const char* name, char* err,
+                      int err_len) {
+  auto e = kungfu::GlobalEngine();
+  if (!e) return kungfu::Report(kungfu::FailedPrecondition("call kungfu.init() first"), err, err_len);
+  if (!kungfu::IsValidDType(static_cast<uint8_t>(dtype)) || !kungfu::IsValidReduceOp(static_cast<uint8_t>(op))) {
+    return kungfu::Report(kungfu::InvalidArgument("bad dtype or reduce op"), err, err_len);
+  }
+  if (count < 0) return kungfu::Report(kungfu::InvalidArgument("negative count"), err, err_len);
+  return kungfu::Report(e->AllReduceSync(in, out, count, static_cast<kungfu::DType>(dtype),
+                                         static_cast<kungfu::ReduceOp>(op), name ? name : "c_api"),
+                        err, err_len);
+}
+
+}  // extern "C"

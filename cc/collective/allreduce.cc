@@ -1,0 +1,262 @@
+// Allreduce: a star for small messages, a pipelined ring for large ones.
+//
+// Star (latency-bound sizes): every worker sends its buffer to rank 0, which reduces (half types
+// accumulate in float32) and sends the result back. Two message delays, no matter the size of the cluster.
+//
+// Ring (bandwidth-bound sizes): reduce-scatter then allgather, 2(n-1) steps, each worker sending
+// 2(n-1)/n of the buffer. The buffer is cut into n chunks and each chunk into pieces of chunk_bytes;
+// a piece received at step t is reduced (t < n-1) or stored (t >= n-1) and forwarded at step t+1, so
+// steps overlap and the pipe stays full. Received allgather pieces land directly in the output.
+#include <cstring>
+#include <vector>
+
+#include "cc/collective/op.h"
+
+namespace kungfu {
+
+namespace {
+
+bool IsHalf(DType d) { return d == DType::kFloat16 || d == DType::kBFloat16; }
+
+void WidenHalf(const void* src, float* dst, int64_t n, DType d) {
+  const auto* s = static_cast<const uint16_t*>(src);
+  if (d == DType::kFloat16) {
+    for (int64_t i = 0; i < n; ++i) dst[i] = HalfToFloat(s[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = BFloat16ToFloat(s[i]);
+  }
+}
+
+void NarrowHalf(const float* src, void* dst, int64_t n, DType d) {
+  auto* o = static_cast<uint16_t*>(dst);
+  if (d == DType::kFloat16) {
+    for (int64_t i = 0; i < n; ++i) o[i] = FloatToHalf(src[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) o[i] = FloatToBFloat16(src[i]);
+  }
+}
+
+class AllReduceStar : public Op {
+ public:
+  AllReduceStar(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, std::string name,
+                DoneCallback done)
+      : Op(std::move(name), std::move(done)),
+        in_(static_cast<const char*>(in)), out_(static_cast<char*>(out)), count_(count), dtype_(dtype), op_(op),
+        bytes_(count * static_cast<int64_t>(DTypeSize(dtype))) {}
+
+  const char* kind() const override { return "allreduce"; }
+
+  Status Start(OpContext* ctx) override {
+    n_ = ctx->size();
+    r_ = ctx->rank();
+    if (in_ != out_ && bytes_ > 0) std::memcpy(out_, in_, bytes_);
+    seen_.assign(n_, false);
+    if (ctx->rank() != 0) {
+      ctx->Send(this, 0, Header(0), out_);
+    } else if (IsHalf(dtype_)) {
+      acc_.resize(count_);
+      WidenHalf(out_, acc_.data(), count_, dtype_);
+    }
+    if (ctx->rank() == 0 && n_ == 1) Finish(ctx);
+    return Status::OK();
+  }
+
+  char* DirectTarget(int src, const FrameHeader& h) override {
+    if (src == 0 && h.tag == 1 && Agrees(h) && h.payload_bytes == static_cast<uint64_t>(bytes_)) return out_;
+    return nullptr;
+  }
+
+  Status OnData(OpContext* ctx, int src, const FrameHeader& h, const char* data) override {
+    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Algo::kAllReduceStar, dtype_, count_,
+                                   static_cast<uint32_t>(op_), "reduce op"));
+    if (h.payload_bytes != static_cast<uint64_t>(bytes_) || h.offset != 0) {
+      return InvalidArgument("malformed allreduce frame from rank " + std::to_string(src));
+    }
+    if (ctx->rank() != 0) {
+      if (src != 0 || h.tag != 1 || got_result_) return InvalidArgument("unexpected allreduce result frame");
+      if (data != out_ && bytes_ > 0) std::memcpy(out_, data, bytes_);
+      got_result_ = true;
+      return Status::OK();
+    }
+    if (h.tag != 0 || src == 0 || seen_[src]) return InvalidArgument("duplicate allreduce contribution");
+    seen_[src] = true;
+    ++contributions_;
+    if (IsHalf(dtype_)) {
+      std::vector<float> wide(count_);
+      WidenHalf(data, wide.data(), count_, dtype_);
+      ReduceInto(acc_.data(), wide.data(), count_, DType::kFloat32, op_);
+    } else {
+      ReduceInto(out_, data, count_, dtype_, op_);
+    }
+    if (contributions_ == n_ - 1) Finish(ctx);
+    return Status::OK();
+  }
+
+  bool ReceivedAll() const override { return got_result_; }
+
+  std::string Progress() const override {
+    if (got_result_) return "done";
+    if (r_ == 0) {
+      return "received " + std::to_string(contributions_) + " of " + std::to_string(n_ - 1) + " contributions";
+    }
+    return "waiting for the result from rank 0";
+  }
+
+ private:
+  FrameHeader Header(uint32_t tag) const {
+    FrameHeader h;
+    h.algo = Algo::kAllReduceStar;
+    h.dtype = static_cast<uint8_t>(dtype_);
+    h.aux = static_cast<uint32_t>(op_);
+    h.count = count_;
+    h.tag = tag;
+    h.payload_bytes = static_cast<uint64_t>(bytes_);
+    return h;
+  }
+
+  bool Agrees(const FrameHeader& h) const {
+    return h.algo == Algo::kAllReduceStar && h.dtype == static_cast<uint8_t>(dtype_) && h.count == count_ &&
+           h.aux == static_cast<uint32_t>(op_);
+  }
+
+  // Root: all contributions are in. Apply the mean, narrow half types, send the result out.
+  void Finish(OpContext* ctx) {
+    if (IsHalf(dtype_)) {
+      if (op_ == ReduceOp::kMean) DivideBy(acc_.data(), count_, DType::kFloat32, n_);
+      NarrowHalf(acc_.data(), out_, count_, dtype_);
+    } else if (op_ == ReduceOp::kMean) {
+      DivideBy(out_, count_, dtype_, n_);
+    }
+    for (int d = 1; d < n_; ++d) ctx->Send(this, d, Header(1), out_);
+    got_result_ = true;
+  }
+
+  const char* in_;
+  char* out_;
+  int64_t count_;
+  DType dtype_;
+  ReduceOp op_;
+  int64_t bytes_;
+  int n_ = 1, r_ = 0;
+  int contributions_ = 0;
+  bool got_result_ = false;
+  std::vector<bool> seen_;
+  std::vector<float> acc_;  // root's float32 accumulator for half types
+};
+
+class AllReduceRing : public Op {
+ public:
+  AllReduceRing(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, std::string name,
+                DoneCallback done)
+      : Op(std::move(name), std::move(done)),
+        in_(static_cast<const char*>(in)), out_(static_cast<char*>(out)), count_(count), dtype_(dtype), op_(op),
+        esize_(static_cast<int64_t>(DTypeSize(dtype))) {}
+
+  const char* kind() const override { return "allreduce"; }
+
+  Status Start(OpContext* ctx) override {
+    n_ = ctx->size();
+    r_ = ctx->rank();
+    if (in_ != out_ && count_ > 0) std::memcpy(out_, in_, count_ * esize_);
+    if (n_ == 1) return Status::OK();
+    piece_ = std::max<int64_t>(1, ctx->config().chunk_bytes / esize_);
+    expected_ = (count_ - ChunkSize(r_)) + (count_ - ChunkSize((r_ + 1) % n_));
+    const int64_t b = ChunkBegin(count_, n_, r_), e = ChunkBegin(count_, n_, r_ + 1);
+    for (int64_t off = b; off < e; off += piece_) SendPiece(ctx, 0, off, std::min(piece_, e - off));
+    return Status::OK();
+  }
+
+  char* DirectTarget(int src, const FrameHeader& h) override {
+    int64_t len = 0;
+    if (src != Left() || h.tag < static_cast<uint32_t>(n_ - 1) || !Agrees(h) || !Placement(h, &len).ok()) {
+      return nullptr;
+    }
+    return out_ + h.offset * esize_;
+  }
+
+  Status OnData(OpContext* ctx, int src, const FrameHeader& h, const char* data) override {
+    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Algo::kAllReduceRing, dtype_, count_,
+                                   static_cast<uint32_t>(op_), "reduce op"));
+    if (src != Left()) return InvalidArgument("ring frame from rank " + std::to_string(src) + ", not the left neighbour");
+    int64_t len = 0;
+    RETURN_IF_ERROR(Placement(h, &len));
+    const int t = static_cast<int>(h.tag);
+    char* dst = out_ + h.offset * esize_;
+    if (t <= n_ - 2) {
+      ReduceInto(dst, data, len, dtype_, op_);
+      if (t == n_ - 2 && op_ == ReduceOp::kMean) DivideBy(dst, len, dtype_, n_);
+    } else if (data != dst) {
+      std::memcpy(dst, data, len * esize_);
+    }
+    received_ += len;
+    if (t < 2 * n_ - 3) SendPiece(ctx, t + 1, h.offset, len);
+    return Status::OK();
+  }
+
+  bool ReceivedAll() const override { return received_ == expected_; }
+
+  std::string Progress() const override {
+    return "received " + std::to_string(received_) + " of " + std::to_string(expected_) +
+           " elements from the left neighbour (rank " + std::to_string(Left()) + ")";
+  }
+
+ private:
+  int Left() const { return (r_ + n_ - 1) % n_; }
+  int64_t ChunkSize(int j) const { return ChunkBegin(count_, n_, j + 1) - ChunkBegin(count_, n_, j); }
+
+  bool Agrees(const FrameHeader& h) const {
+    return h.algo == Algo::kAllReduceRing && h.dtype == static_cast<uint8_t>(dtype_) && h.count == count_ &&
+           h.aux == static_cast<uint32_t>(op_);
+  }
+
+  // The chunk a frame of step t must fall in, and whether it is one of our pieces.
+  Status Placement(const FrameHeader& h, int64_t* len) const {
+    const int t = static_cast<int>(h.tag);
+    if (t < 0 || t > 2 * n_ - 3) return InvalidArgument("ring step " + std::to_string(t) + " out of range");
+    const int j = t <= n_ - 2 ? ((r_ - t - 1) % n_ + n_) % n_ : ((r_ - (t - n_ + 1)) % n_ + n_) % n_;
+    const int64_t b = ChunkBegin(count_, n_, j), e = ChunkBegin(count_, n_, j + 1);
+    if (h.offset < b || h.offset >= e || (h.offset - b) % piece_ != 0) {
+      return InvalidArgument("ring piece at offset " + std::to_string(h.offset) + " is outside chunk " +
+                             std::to_string(j));
+    }
+    *len = std::min(piece_, e - h.offset);
+    if (h.payload_bytes != static_cast<uint64_t>(*len * esize_)) return InvalidArgument("ring piece has the wrong size");
+    return Status::OK();
+  }
+
+  void SendPiece(OpContext* ctx, int tag, int64_t off, int64_t len) {
+    FrameHeader h;
+    h.algo = Algo::kAllReduceRing;
+    h.dtype = static_cast<uint8_t>(dtype_);
+    h.aux = static_cast<uint32_t>(op_);
+    h.count = count_;
+    h.tag = static_cast<uint32_t>(tag);
+    h.offset = off;
+    h.payload_bytes = static_cast<uint64_t>(len * esize_);
+    ctx->Send(this, (r_ + 1) % n_, h, out_ + off * esize_);
+  }
+
+  const char* in_;
+  char* out_;
+  int64_t count_;
+  DType dtype_;
+  ReduceOp op_;
+  int64_t esize_;
+  int n_ = 1, r_ = 0;
+  int64_t piece_ = 1;
+  int64_t expected_ = 0, received_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Op> NewAllReduceStar(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
+                                     std::string name, DoneCallback done) {
+  return std::make_unique<AllReduceStar>(in, out, count, dtype, op, std::move(name), std::move(done));
+}
+
+std::unique_ptr<Op> NewAllReduceRing(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
+                                     std::string name, DoneCallback done) {
+  return std::make_unique<AllReduceRing>(in, out, count, dtype, op, std::move(name), std::move(done));
+}
+
+}  // namespace kungfu

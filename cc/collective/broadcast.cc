@@ -1,0 +1,148 @@
+// Broadcast from any root: a star for small messages, a pipelined chain for large ones.
+//
+// Star: the root sends the buffer to every worker. Chain: root -> root+1 -> ... -> root-1, in pieces
+// of chunk_bytes, each worker forwarding a piece as soon as it lands (directly in its buffer).
+// Receivers acknowledge (every receiver for the star, the last of the chain), so the root finishes
+// only when everyone has the data, and a mismatch found anywhere reaches the root as an abort.
+#include <cstring>
+
+#include "cc/collective/op.h"
+
+namespace kungfu {
+
+namespace {
+
+class Broadcast : public Op {
+ public:
+  Broadcast(void* buf, int64_t count, DType dtype, int root, bool chain, std::string name, DoneCallback done)
+      : Op(std::move(name), std::move(done)),
+        buf_(static_cast<char*>(buf)), count_(count), dtype_(dtype), root_(root), chain_(chain),
+        esize_(static_cast<int64_t>(DTypeSize(dtype))) {}
+
+  const char* kind() const override { return "broadcast"; }
+
+  Status Start(OpContext* ctx) override {
+    n_ = ctx->size();
+    r_ = ctx->rank();
+    if (root_ < 0 || root_ >= n_) {
+      return InvalidArgument("broadcast root " + std::to_string(root_) + " is not a rank of this cluster of " +
+                             std::to_string(n_));
+    }
+    piece_ = std::max<int64_t>(1, ctx->config().chunk_bytes / esize_);
+    if (r_ != root_ || n_ == 1) return Status::OK();
+    if (chain_) {
+      SendAll(ctx, Next());
+    } else {
+      for (int d = 0; d < n_; ++d) {
+        if (d != root_) SendAll(ctx, d);
+      }
+    }
+    return Status::OK();
+  }
+
+  char* DirectTarget(int src, const FrameHeader& h) override {
+    int64_t len = 0;
+    if (src != Prev() || r_ == root_ || !Agrees(h) || !Placement(h, &len).ok()) return nullptr;
+    return buf_ + h.offset * esize_;
+  }
+
+  Status OnData(OpContext* ctx, int src, const FrameHeader& h, const char* data) override {
+    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Algo(), dtype_, count_,
+                                   static_cast<uint32_t>(root_), "root"));
+    if (r_ == root_ || src != Prev()) return InvalidArgument("unexpected broadcast frame from rank " + std::to_string(src));
+    int64_t len = 0;
+    RETURN_IF_ERROR(Placement(h, &len));
+    char* dst = buf_ + h.offset * esize_;
+    if (data != dst && len > 0) std::memcpy(dst, data, len * esize_);
+    received_ += len;
+    ++frames_;
+    if (chain_ && Next() != root_) Forward(ctx, h, len);
+    if (ReceivedAll() && (!chain_ || Next() == root_)) ctx->Send(this, root_, Header(FrameKind::kAck, 0, 0), nullptr);
+    return Status::OK();
+  }
+
+  Status OnAck(OpContext* ctx, int src, const FrameHeader& h) override {
+    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Algo(), dtype_, count_,
+                                   static_cast<uint32_t>(root_), "root"));
+    if (r_ != root_) return InvalidArgument("broadcast acknowledgement sent to a non-root");
+    ++acks_;
+    return Status::OK();
+  }
+
+  bool ReceivedAll() const override {
+    if (n_ == 1) return true;
+    if (r_ == root_) return acks_ == (chain_ ? 1 : n_ - 1);
+    return received_ == count_ && frames_ >= 1;
+  }
+
+  std::string Progress() const override {
+    if (r_ == root_) return "received " + std::to_string(acks_) + " acknowledgements";
+    return "received " + std::to_string(received_) + " of " + std::to_string(count_) + " elements from rank " +
+           std::to_string(Prev());
+  }
+
+ private:
+  kungfu::Algo Algo() const { return chain_ ? Algo::kBroadcastChain : Algo::kBroadcastStar; }
+  int Next() const { return (r_ + 1) % n_; }
+  int Prev() const { return chain_ ? (r_ + n_ - 1) % n_ : root_; }
+
+  bool Agrees(const FrameHeader& h) const {
+    return h.algo == Algo() && h.dtype == static_cast<uint8_t>(dtype_) && h.count == count_ &&
+           h.aux == static_cast<uint32_t>(root_);
+  }
+
+  Status Placement(const FrameHeader& h, int64_t* len) const {
+    if (count_ == 0) {
+      *len = 0;
+      return h.offset == 0 && h.payload_bytes == 0 ? Status::OK() : InvalidArgument("malformed broadcast frame");
+    }
+    if (h.offset % piece_ != 0 || h.offset >= count_) return InvalidArgument("broadcast piece out of place");
+    *len = std::min(piece_, count_ - h.offset);
+    if (h.payload_bytes != static_cast<uint64_t>(*len * esize_)) return InvalidArgument("broadcast piece has the wrong size");
+    return Status::OK();
+  }
+
+  FrameHeader Header(FrameKind kind, int64_t off, int64_t len) const {
+    FrameHeader h;
+    h.kind = kind;
+    h.algo = Algo();
+    h.dtype = static_cast<uint8_t>(dtype_);
+    h.aux = static_cast<uint32_t>(root_);
+    h.count = count_;
+    h.offset = off;
+    h.payload_bytes = static_cast<uint64_t>(len * esize_);
+    return h;
+  }
+
+  void SendAll(OpContext* ctx, int dst) {
+    if (count_ == 0) return ctx->Send(this, dst, Header(FrameKind::kData, 0, 0), buf_);
+    for (int64_t off = 0; off < count_; off += piece_) {
+      ctx->Send(this, dst, Header(FrameKind::kData, off, std::min(piece_, count_ - off)), buf_ + off * esize_);
+    }
+  }
+
+  void Forward(OpContext* ctx, const FrameHeader& in, int64_t len) {
+    ctx->Send(this, Next(), Header(FrameKind::kData, in.offset, len), buf_ + in.offset * esize_);
+  }
+
+  char* buf_;
+  int64_t count_;
+  DType dtype_;
+  int root_;
+  bool chain_;
+  int64_t esize_;
+  int n_ = 1, r_ = 0;
+  int64_t piece_ = 1;
+  int64_t received_ = 0;
+  int frames_ = 0;
+  int acks_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Op> NewBroadcast(void* buf, int64_t count, DType dtype, int root, bool chain, std::string name,
+                                 DoneCallback done) {
+  return std::make_unique<Broadcast>(buf, count, dtype, root, chain, std::move(name), std::move(done));
+}
+
+}  // namespace kungfu

@@ -1,0 +1,271 @@
+// Engine: start-up, connections, shutdown, and the public API (which builds ops and posts them).
+// The op lifecycle and frame routing live in engine_ops.cc.
+#include "cc/engine.h"
+
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <cstring>
+
+#include "cc/engine_impl.h"
+#include "cc/log.h"
+#include "cc/sha256.h"
+
+namespace kungfu {
+
+Engine::Impl::Impl(const EngineConfig& config) : config_(config) {
+  hs_.token = config_.token;
+  hs_.cluster_version = config_.peers.version();
+  hs_.peers = &config_.peers;
+}
+
+Engine::Impl::~Impl() { Shutdown(); }
+
+Status Engine::Impl::Start() {
+  const int n = config_.peers.size();
+  if (n < 1) return InvalidArgument("the peer list is empty");
+  if (config_.rank < 0 || config_.rank >= n) {
+    return InvalidArgument("rank " + std::to_string(config_.rank) + " is outside the cluster of " + std::to_string(n));
+  }
+  if (config_.timeout_seconds <= 0) return InvalidArgument("timeout must be positive");
+  if (config_.chunk_bytes < 1 || static_cast<uint64_t>(config_.chunk_bytes) > kMaxPayloadBytes ||
+      config_.ring_threshold_bytes < 0 || static_cast<uint64_t>(config_.ring_threshold_bytes) > kMaxPayloadBytes) {
+    return InvalidArgument("chunk_bytes and ring_threshold_bytes must be between 1 and " +
+                           std::to_string(kMaxPayloadBytes));
+  }
+  dead_.assign(n, Status::OK());
+  out_.resize(n);
+  in_.resize(n);
+  writing_.assign(n, false);
+  RETURN_IF_ERROR(loop_.Init());
+  if (n > 1) {
+    auto l = Listen(config_.peers.at(config_.rank).port);
+    if (!l.ok()) return l.status().WithContext("listening as " + config_.peers.Describe(config_.rank));
+    listener_ = std::move(l.value());
+  }
+  loop_.Start([this] { return AfterEvents(); });
+  if (n == 1) return Status::OK();
+  acceptor_ = std::thread([this] { AcceptLoop(); });
+  return ConnectToPeers();
+}
+
+Status Engine::Impl::ConnectToPeers() {
+  const Deadline deadline = DeadlineAfter(config_.timeout_seconds);
+  const PeerID& self = config_.peers.at(config_.rank);
+  for (int p = 0; p < config_.peers.size(); ++p) {
+    if (p == config_.rank) continue;
+    const std::string who = "connecting to peer " + config_.peers.Describe(p);
+    auto fd = ConnectWithRetry(config_.peers.at(p), deadline);
+    if (!fd.ok()) return fd.status().WithContext(who);
+    RETURN_IF_ERROR(ClientHandshake(fd->get(), hs_, config_.rank, self, deadline).WithContext(who));
+    TuneDataSocket(fd->get());
+    RETURN_IF_ERROR(SetNonBlocking(fd->get(), true));
+    auto shared = std::make_shared<Fd>(std::move(fd.value()));
+    loop_.Post([this, shared, p] { AddConnection(std::move(*shared), p, true); });
+  }
+  return Status::OK();
+}
+
+void Engine::Impl::AcceptLoop() {
+  while (!stopping_) {
+    pollfd pfd{listener_.get(), POLLIN, 0};
+    if (::poll(&pfd, 1, 100) <= 0) continue;
+    Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!fd.valid()) continue;
+    const std::string from = RemoteAddress(fd.get());
+    // A bounded handshake: a silent client cannot hold the acceptor for long.
+    const double limit = std::min(config_.timeout_seconds, 10.0);
+    auto rank = ServerHandshake(fd.get(), hs_, DeadlineAfter(limit));
+    if (!rank.ok()) {
+      ++stats_.refused;
+      KF_LOG(Warning) << "rank " << config_.rank << " refused a connection from " << from << ": "
+                      << rank.status().message();
+      continue;
+    }
+    TuneDataSocket(fd.get());
+    if (!SetNonBlocking(fd.get(), true).ok()) continue;
+    auto shared = std::make_shared<Fd>(std::move(fd));
+    const int peer = *rank;
+    loop_.Post([this, shared, peer] { AddConnection(std::move(*shared), peer, false); });
+  }
+}
+
+void Engine::Impl::AddConnection(Fd fd, int peer, bool outgoing) {
+  auto& slot = outgoing ? out_[peer] : in_[peer];
+  if (slot) {  // a reconnect replaces the old connection
+    loop_.Remove(slot->fd());
+    retired_.push_back(std::move(slot));
+  }
+  slot = std::make_unique<Connection>(std::move(fd), peer, this);
+  Connection* c = slot.get();
+  loop_.Add(c->fd(), EPOLLIN, [this, c](uint32_t events) {
+    if (events & EPOLLOUT) c->Flush();
+    if (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) c->OnReadable();
+  });
+}
+
+void Engine::Impl::Shutdown() {
+  if (stopping_.exchange(true)) return;
+  // Let in-flight collectives finish (bounded by the timeout), then cancel what is left, then give
+  // queued sends a moment to drain so peers receive what we owe them.
+  const Deadline deadline = DeadlineAfter(config_.timeout_seconds);
+  while (stats_.in_flight > 0 && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  std::unique_lock<std::mutex> lock(mu_);
+  loop_.Post([this] {
+    std::vector<uint64_t> ids;
+    for (auto& [key, a] : ops_) ids.push_back(a.op->id);
+    for (uint64_t id : ids) Fail(id, Cancelled("the engine is shutting down"), false);
+    flushing_ = true;
+  });
+  cv_.wait_until(lock, DeadlineAfter(std::min(config_.timeout_seconds, 10.0)), [this] { return flushed_; });
+  lock.unlock();
+  if (acceptor_.joinable()) acceptor_.join();
+  loop_.Stop();
+}
+
+void Engine::Impl::Submit(std::unique_ptr<Op> op) {
+  if (stopping_) {
+    op->done()(Cancelled(std::string(op->kind()) + " '" + op->name() + "': the engine is shutting down"));
+    return;
+  }
+  auto shared = std::make_shared<std::unique_ptr<Op>>(std::move(op));
+  loop_.Post([this, shared] { StartOp(std::move(*shared)); });
+}
+
+EngineStats Engine::Impl::stats() const {
+  EngineStats s;
+  s.started = stats_.started;
+  s.completed = stats_.completed;
+  s.failed = stats_.failed;
+  s.in_flight = stats_.in_flight;
+  s.max_in_flight = stats_.max_in_flight;
+  s.bytes_sent = stats_.bytes_sent;
+  s.bytes_received = stats_.bytes_received;
+  s.refused_handshakes = stats_.refused;
+  return s;
+}
+
+void Engine::Impl::ResetStats() {
+  stats_.max_in_flight = stats_.in_flight.load();
+  stats_.started = 0;
+  stats_.completed = 0;
+  stats_.failed = 0;
+  stats_.bytes_sent = 0;
+  stats_.bytes_received = 0;
+}
+
+// ---- public API ----
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() { impl_->Shutdown(); }
+
+StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineConfig& config) {
+  auto impl = std::make_unique<Impl>(config);
+  Status s = impl->Start();
+  if (!s.ok()) {
+    impl->Shutdown();
+    return s;
+  }
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+int Engine::rank() const { return impl_->rank(); }
+int Engine::size() const { return impl_->size(); }
+const EngineConfig& Engine::config() const { return impl_->config(); }
+EngineStats Engine::stats() const { return impl_->stats(); }
+void Engine::ResetStats() { impl_->ResetStats(); }
+
+void Engine::AllReduce(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name,
+                       DoneCallback done) {
+  const int64_t bytes = count * static_cast<int64_t>(DTypeSize(dtype));
+  const bool ring = size() > 1 && bytes >= impl_->config().ring_threshold_bytes && count >= size();
+  impl_->Submit(ring ? NewAllReduceRing(in, out, count, dtype, op, name, std::move(done))
+                     : NewAllReduceStar(in, out, count, dtype, op, name, std::move(done)));
+}
+
+void Engine::Broadcast(void* buf, int64_t count, DType dtype, int root, const std::string& name, DoneCallback done) {
+  const int64_t bytes = count * static_cast<int64_t>(DTypeSize(dtype));
+  const bool chain = size() > 2 && bytes >= impl_->config().ring_threshold_bytes;
+  impl_->Submit(NewBroadcast(buf, count, dtype, root, chain, name, std::move(done)));
+}
+
+void Engine::AllGather(const void* in, void* out, const std::vector<int64_t>& counts, DType dtype,
+                       const std::string& name, DoneCallback done) {
+  impl_->Submit(NewAllGather(in, out, counts, dtype, name, std::move(done)));
+}
+
+void Engine::Barrier(const std::string& name, DoneCallback done) {
+  impl_->Submit(NewAllReduceStar(nullptr, nullptr, 0, DType::kUInt8, ReduceOp::kMax, name, std::move(done)));
+}
+
+void Engine::Consensus(const void* data, int64_t nbytes, bool* same, const std::string& name, DoneCallback done) {
+  // Compare a digest of fixed size, so inputs of different lengths compare (unequal) instead of
+  // failing. One MAX allreduce over [d, ~d] yields max(d) and ~min(d): all equal iff max == min.
+  constexpr int kLen = 40;
+  auto buf = std::make_shared<std::vector<uint8_t>>(2 * kLen);
+  const Digest d = Sha256Of(data, static_cast<size_t>(nbytes));
+  std::memcpy(buf->data(), d.data(), 32);
+  std::memcpy(buf->data() + 32, &nbytes, 8);
+  for (int i = 0; i < kLen; ++i) (*buf)[kLen + i] = static_cast<uint8_t>(~(*buf)[i]);
+  auto wrapped = [buf, same, done = std::move(done)](const Status& s) {
+    if (s.ok()) {
+      bool eq = true;
+      for (int i = 0; i < kLen; ++i) eq = eq && (*buf)[i] == static_cast<uint8_t>(~(*buf)[kLen + i]);
+      *same = eq;
+    }
+    done(s);
+  };
+  impl_->Submit(NewAllReduceStar(buf->data(), buf->data(), 2 * kLen, DType::kUInt8, ReduceOp::kMax, name,
+                                 std::move(wrapped)));
+}
+
+Status Engine::AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
+                             const std::string& name) {
+  std::mutex mu;
+  std::condition_variable cv;
+  bool finished = false;
+  Status result;
+  AllReduce(in, out, count, dtype, op, name, [&](const Status& s) {
+    std::lock_guard<std::mutex> lock(mu);
+    result = s;
+    finished = true;
+    cv.notify_all();
+  });
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return finished; });  // the engine guarantees a callback by the op's deadline
+  return result;
+}
+
+namespace {
+Status ReadEnvNumber(const char* var, double min, double max, double* out) {
+  const char* v = std::getenv(var);
+  if (v == nullptr || *v == '\0') return Status::OK();
+  char* end = nullptr;
+  const double x = std::strtod(v, &end);
+  if (*end != '\0' || !(x >= min && x <= max)) {
+    return InvalidArgument(std::string(var) + "='" + v + "' is not a number between " + std::to_string(min) +
+                           " and " + std::to_string(max));
+  }
+  *out = x;
+  return Status::OK();
+}
+}  // namespace
+
+Status ApplyEnvOverrides(EngineConfig* c) {
+  double timeout = c->timeout_seconds, ring = static_cast<double>(c->ring_threshold_bytes),
+         chunk = static_cast<double>(c->chunk_bytes), pending = static_cast<double>(c->max_pending_bytes);
+  RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_TIMEOUT", 0.001, 1e7, &timeout));
+  RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_RING_THRESHOLD", 0, static_cast<double>(kMaxPayloadBytes), &ring));
+  RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_CHUNK_BYTES", 1, static_cast<double>(kMaxPayloadBytes), &chunk));
+  RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_MAX_PENDING_BYTES", 0, 1e15, &pending));
+  c->timeout_seconds = timeout;
+  c->ring_threshold_bytes = static_cast<int64_t>(ring);
+  c->chunk_bytes = static_cast<int64_t>(chunk);
+  c->max_pending_bytes = static_cast<int64_t>(pending);
+  return Status::OK();
+}
+
+}  // namespace kungfu

@@ -1,0 +1,110 @@
+// Engine internals. Threading and ownership:
+//  - loop_ (one thread) owns conns_, ops_, pending_, next_gen_ and dead_: touched only on it.
+//  - acceptor_ (one thread) accepts and authenticates incoming connections, then posts them to the loop.
+//  - API calls from any thread build an Op and post it; callbacks run on the loop thread.
+//  - stats_ are atomics, readable from any thread.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "cc/collective/op.h"
+#include "cc/engine.h"
+#include "cc/transport/connection.h"
+#include "cc/transport/event_loop.h"
+#include "cc/transport/handshake.h"
+#include "cc/transport/socket.h"
+
+namespace kungfu {
+
+class Engine::Impl : public FrameSink, public OpContext {
+ public:
+  explicit Impl(const EngineConfig& config);
+  ~Impl() override;
+
+  Status Start();
+  void Shutdown();
+  void Submit(std::unique_ptr<Op> op);
+  EngineStats stats() const;
+  void ResetStats();
+
+  // OpContext.
+  int rank() const override { return config_.rank; }
+  int size() const override { return config_.peers.size(); }
+  const EngineConfig& config() const override { return config_; }
+  void Send(Op* op, int dst, FrameHeader h, const void* data) override;
+
+  // FrameSink (from connections, loop thread).
+  char* PayloadTarget(int src, const FrameHeader& h, const std::string& name, bool* discard,
+                      uint64_t* owner) override;
+  void OnFrame(int src, const FrameHeader& h, std::string name, char* data, std::unique_ptr<char[]> owned) override;
+  void OnSendDone(uint64_t op_id) override;
+  void OnConnectionError(int peer, const Status& s) override;
+
+ private:
+  using Key = std::pair<std::string, uint64_t>;  // (name, generation)
+  struct ActiveOp {
+    std::unique_ptr<Op> op;
+    Deadline deadline;
+  };
+  struct PendingFrame {
+    int src;
+    FrameHeader h;
+    std::unique_ptr<char[]> data;
+  };
+
+  Status ConnectToPeers();
+  void AcceptLoop();
+  void AddConnection(Fd fd, int peer, bool outgoing);
+  void StartOp(std::unique_ptr<Op> op);
+  void Dispatch(ActiveOp& a, int src, const FrameHeader& h, const char* data);
+  void MaybeFinish(uint64_t op_id);
+  void Fail(uint64_t op_id, Status s, bool tell_peers);
+  void Finish(std::map<Key, ActiveOp>::iterator it, const Status& s);
+  void SendAbort(const Key& key, const Status& s);
+  int AfterEvents();  // flush, deadlines; returns the loop's next sleep in ms
+  ActiveOp* FindById(uint64_t op_id, std::map<Key, ActiveOp>::iterator* it);
+  std::string Describe(const Op& op) const;
+
+  EngineConfig config_;
+  HandshakeParams hs_;
+  EventLoop loop_;
+  Fd listener_;
+  std::thread acceptor_;
+  std::atomic<bool> stopping_{false};
+
+  // Loop thread state.
+  std::vector<std::unique_ptr<Connection>> out_;  // by rank: connections we write to
+  std::vector<std::unique_ptr<Connection>> in_;   // by rank: connections we read from
+  std::vector<std::unique_ptr<Connection>> retired_;  // replaced or broken, kept until shutdown
+  std::map<Key, ActiveOp> ops_;
+  std::unordered_map<uint64_t, Key> op_keys_;
+  std::map<Key, std::vector<PendingFrame>> pending_;
+  int64_t pending_bytes_ = 0;
+  std::unordered_map<std::string, uint64_t> next_gen_;
+  std::vector<Status> dead_;  // by rank: why a peer is gone (OK while alive)
+  Status first_dead_;
+  uint64_t next_op_id_ = 1;
+
+  // Shutdown handshake with the loop.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool flushed_ = false;                   // guarded by mu_
+  std::atomic<bool> flushing_{false};       // set on the loop once remaining ops are cancelled
+  std::vector<bool> writing_;               // by rank: out_ connection registered for EPOLLOUT
+
+  struct Stats {
+    std::atomic<int64_t> started{0}, completed{0}, failed{0}, in_flight{0}, max_in_flight{0};
+    std::atomic<int64_t> bytes_sent{0}, bytes_received{0}, refused{0};
+  } stats_;
+};
+
+}  // namespace kungfu

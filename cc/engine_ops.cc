@@ -1,0 +1,258 @@
+// Engine: the op lifecycle (start, dispatch, finish, fail) and frame routing, all on the loop thread.
+#include <sys/epoll.h>
+
+#include <algorithm>
+
+#include "cc/engine_impl.h"
+#include "cc/log.h"
+
+namespace kungfu {
+
+namespace {
+constexpr size_t kMaxAbortText = 4096;
+constexpr int kPoisonSource = -1;  // a pending entry the engine made itself (buffer overflow)
+}  // namespace
+
+std::string Engine::Impl::Describe(const Op& op) const { return std::string(op.kind()) + " '" + op.name() + "'"; }
+
+void Engine::Impl::StartOp(std::unique_ptr<Op> op) {
+  const uint64_t id = next_op_id_++;
+  op->id = id;
+  op->generation = next_gen_[op->name()]++;
+  const Key key(op->name(), op->generation);
+  ++stats_.started;
+  const int64_t now_in_flight = ++stats_.in_flight;
+  int64_t prev = stats_.max_in_flight.load();
+  while (now_in_flight > prev && !stats_.max_in_flight.compare_exchange_weak(prev, now_in_flight)) {
+  }
+  Op* raw = op.get();
+  ops_[key] = ActiveOp{std::move(op), DeadlineAfter(config_.timeout_seconds)};
+  op_keys_[id] = key;
+  if (size() > 1 && !first_dead_.ok()) return Fail(id, first_dead_, false);
+  Status s = raw->Start(this);
+  if (!s.ok()) return Fail(id, s, s.code() == Code::kInvalidArgument);
+  // Deliver what arrived before this worker started the collective, in arrival order.
+  auto pit = pending_.find(key);
+  if (pit != pending_.end()) {
+    std::vector<PendingFrame> frames = std::move(pit->second);
+    pending_.erase(pit);
+    for (auto& f : frames) {
+      if (f.src != kPoisonSource) pending_bytes_ -= static_cast<int64_t>(f.h.payload_bytes);
+      auto it = ops_.find(key);
+      if (it == ops_.end()) continue;  // failed by an earlier frame: drop the rest
+      if (f.src == kPoisonSource) {
+        Fail(id, ResourceExhausted(std::string(f.data.get())), true);
+        continue;
+      }
+      Dispatch(it->second, f.src, f.h, f.data.get());
+    }
+  }
+  MaybeFinish(id);
+}
+
+void Engine::Impl::Dispatch(ActiveOp& a, int src, const FrameHeader& h, const char* data) {
+  Op* op = a.op.get();
+  const uint64_t id = op->id;
+  Status s;
+  switch (h.kind) {
+    case FrameKind::kData:
+      s = op->OnData(this, src, h, data);
+      break;
+    case FrameKind::kAck:
+      s = op->OnAck(this, src, h);
+      break;
+    case FrameKind::kAbort: {
+      const int code = static_cast<int>(h.tag);
+      const Code c = code >= 1 && code <= 14 ? static_cast<Code>(code) : Code::kUnknown;
+      const std::string text(data ? data : "", data ? h.payload_bytes : 0);
+      return Fail(id, Status(c, text + " (reported by peer " + config_.peers.Describe(src) + ")"), false);
+    }
+  }
+  if (!s.ok()) return Fail(id, s, s.code() == Code::kInvalidArgument);
+  MaybeFinish(id);
+}
+
+Engine::Impl::ActiveOp* Engine::Impl::FindById(uint64_t op_id, std::map<Key, ActiveOp>::iterator* out) {
+  auto k = op_keys_.find(op_id);
+  if (k == op_keys_.end()) return nullptr;
+  auto it = ops_.find(k->second);
+  if (it == ops_.end()) return nullptr;
+  *out = it;
+  return &it->second;
+}
+
+void Engine::Impl::MaybeFinish(uint64_t op_id) {
+  std::map<Key, ActiveOp>::iterator it;
+  ActiveOp* a = FindById(op_id, &it);
+  if (a && a->op->outstanding_sends == 0 && a->op->ReceivedAll()) Finish(it, Status::OK());
+}
+
+void Engine::Impl::Fail(uint64_t op_id, Status s, bool tell_peers) {
+  std::map<Key, ActiveOp>::iterator it;
+  if (FindById(op_id, &it) == nullptr) return;
+  if (tell_peers && size() > 1) SendAbort(it->first, s);
+  Finish(it, s);
+}
+
+void Engine::Impl::Finish(std::map<Key, ActiveOp>::iterator it, const Status& s) {
+  std::unique_ptr<Op> op = std::move(it->second.op);
+  ops_.erase(it);
+  op_keys_.erase(op->id);
+  // No connection may touch the op's buffers once its callback has run.
+  for (auto& c : in_) {
+    if (c) c->AbandonTarget(op->id);
+  }
+  if (!s.ok()) {
+    for (auto& c : out_) {
+      if (c) c->CancelOp(op->id);
+    }
+  }
+  --stats_.in_flight;
+  if (s.ok()) {
+    ++stats_.completed;
+    op->done()(s);
+  } else {
+    ++stats_.failed;
+    KF_LOG(Debug) << "rank " << rank() << ": " << Describe(*op) << " failed: " << s.ToString();
+    op->done()(s.WithContext(Describe(*op)));
+  }
+}
+
+void Engine::Impl::SendAbort(const Key& key, const Status& s) {
+  std::string text = s.message().substr(0, kMaxAbortText);
+  for (int d = 0; d < size(); ++d) {
+    if (d == rank() || !out_[d] || out_[d]->broken()) continue;
+    FrameHeader h;
+    h.kind = FrameKind::kAbort;
+    h.tag = static_cast<uint32_t>(s.code());
+    h.generation = key.second;
+    h.cluster_version = config_.peers.version();
+    h.payload_bytes = text.size();
+    std::unique_ptr<char[]> payload(new char[text.size() + 1]);
+    std::copy(text.begin(), text.end(), payload.get());
+    out_[d]->EnqueueOwned(h, key.first, std::move(payload), 0);
+  }
+}
+
+void Engine::Impl::Send(Op* op, int dst, FrameHeader h, const void* data) {
+  if (dst == rank() || dst < 0 || dst >= size() || !out_[dst]) {
+    KF_LOG(Error) << Describe(*op) << ": no connection to rank " << dst;
+    return;
+  }
+  if (out_[dst]->broken()) return;  // the op fails through OnConnectionError
+  h.generation = op->generation;
+  h.cluster_version = config_.peers.version();
+  out_[dst]->Enqueue(h, op->name(), data, op->id);
+  ++op->outstanding_sends;
+  stats_.bytes_sent += static_cast<int64_t>(h.payload_bytes);
+}
+
+void Engine::Impl::OnSendDone(uint64_t op_id) {
+  std::map<Key, ActiveOp>::iterator it;
+  ActiveOp* a = FindById(op_id, &it);
+  if (a == nullptr) return;
+  --a->op->outstanding_sends;
+  MaybeFinish(op_id);
+}
+
+char* Engine::Impl::PayloadTarget(int src, const FrameHeader& h, const std::string& name, bool* discard,
+                                  uint64_t* owner) {
+  if (h.kind != FrameKind::kData) return nullptr;
+  const Key key(name, h.generation);
+  auto it = ops_.find(key);
+  if (it != ops_.end()) {
+    char* target = it->second.op->DirectTarget(src, h);
+    if (target) *owner = it->second.op->id;
+    return target;
+  }
+  auto g = next_gen_.find(name);
+  if (g != next_gen_.end() && h.generation < g->second) {  // the op already ended here
+    *discard = true;
+    return nullptr;
+  }
+  if (pending_bytes_ + static_cast<int64_t>(h.payload_bytes) > config_.max_pending_bytes) {
+    *discard = true;
+    const std::string why = "more than " + std::to_string(config_.max_pending_bytes) +
+                            " bytes arrived for collectives this worker had not started; raise "
+                            "KUNGFU_MAX_PENDING_BYTES or start collectives in a more similar order";
+    std::unique_ptr<char[]> text(new char[why.size() + 1]);
+    std::copy(why.begin(), why.end() + 1, text.get());
+    pending_[key].push_back(PendingFrame{kPoisonSource, h, std::move(text)});
+    KF_LOG(Warning) << "rank " << rank() << ": " << why;
+  }
+  return nullptr;
+}
+
+void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char* data,
+                           std::unique_ptr<char[]> owned) {
+  if (h.kind == FrameKind::kData) stats_.bytes_received += static_cast<int64_t>(h.payload_bytes);
+  const Key key(std::move(name), h.generation);
+  auto it = ops_.find(key);
+  if (h.cluster_version != config_.peers.version()) {
+    const Status s = Aborted("peer " + config_.peers.Describe(src) + " works under cluster version " +
+                             std::to_string(h.cluster_version) + ", this worker under " +
+                             std::to_string(config_.peers.version()));
+    if (it != ops_.end()) Fail(it->second.op->id, s, false);
+    return;
+  }
+  if (it != ops_.end()) return Dispatch(it->second, src, h, data);
+  auto g = next_gen_.find(key.first);
+  if (g != next_gen_.end() && h.generation < g->second) return;  // late frame of an ended op
+  if (h.payload_bytes > 0 && !owned) return;  // discarded for lack of buffer space (poisoned above)
+  pending_bytes_ += static_cast<int64_t>(h.payload_bytes);
+  pending_[key].push_back(PendingFrame{src, h, std::move(owned)});
+}
+
+void Engine::Impl::OnConnectionError(int peer, const Status& s) {
+  for (auto* c : {out_[peer].get(), in_[peer].get()}) {
+    if (c && c->broken()) loop_.Remove(c->fd());
+  }
+  if (!dead_[peer].ok()) return;
+  dead_[peer] = Unavailable("peer " + config_.peers.Describe(peer) + ": " + s.message());
+  if (first_dead_.ok()) first_dead_ = dead_[peer];
+  // A peer that leaves while nothing is in flight has simply finished; say more only when it hurts.
+  if (!stopping_ && !ops_.empty()) {
+    KF_LOG(Warning) << "rank " << rank() << ": " << dead_[peer].message() << "; failing " << ops_.size()
+                    << " collective(s) in flight";
+  } else {
+    KF_LOG(Info) << "rank " << rank() << ": " << dead_[peer].message();
+  }
+  std::vector<uint64_t> ids;
+  for (auto& [key, a] : ops_) ids.push_back(a.op->id);
+  for (uint64_t id : ids) Fail(id, dead_[peer], false);
+}
+
+int Engine::Impl::AfterEvents() {
+  bool pending_writes = false;
+  for (int d = 0; d < size(); ++d) {
+    Connection* c = out_[d].get();
+    if (!c || c->broken()) continue;
+    const bool empty = c->Flush();
+    if (c->broken()) continue;
+    if (empty == writing_[d]) {
+      writing_[d] = !empty;
+      loop_.Modify(c->fd(), empty ? EPOLLIN : (EPOLLIN | EPOLLOUT));
+    }
+    pending_writes = pending_writes || !empty;
+  }
+  const Deadline now = Clock::now();
+  std::vector<std::pair<uint64_t, std::string>> expired;
+  for (auto& [key, a] : ops_) {
+    if (now >= a.deadline) expired.emplace_back(a.op->id, a.op->Progress());
+  }
+  for (auto& [id, progress] : expired) {
+    Fail(id,
+         DeadlineExceeded("timed out after " + std::to_string(config_.timeout_seconds) + " s (KUNGFU_TIMEOUT); " +
+                          progress),
+         false);
+  }
+  if (flushing_ && !pending_writes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    flushed_ = true;
+    cv_.notify_all();
+  }
+  if (ops_.empty() && !pending_writes) return flushing_ ? 10 : -1;
+  return 20;
+}
+
+}  // namespace kungfu

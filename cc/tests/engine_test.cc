@@ -1,0 +1,331 @@
+// Engine tests: N ranks as threads in one process over loopback, np 1 to 4, sizes including 0 and 1.
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <random>
+
+#include "cc/engine.h"
+#include "cc/tests/cluster.h"
+#include "cc/tests/testing.h"
+#include "cc/wire.h"
+
+namespace kungfu {
+namespace {
+
+using testing::RunRanks;
+using testing::StartCluster;
+using testing::Waiter;
+
+const DType kAllDTypes[] = {DType::kInt32, DType::kInt64, DType::kFloat16, DType::kBFloat16, DType::kFloat32,
+                            DType::kFloat64};
+const ReduceOp kAllOps[] = {ReduceOp::kSum, ReduceOp::kMean, ReduceOp::kMin, ReduceOp::kMax, ReduceOp::kProd};
+
+// Values in {1,2,3}: sums and products of up to 4 workers stay exact even in bfloat16.
+double Value(int rank, int64_t i) { return static_cast<double>((i + rank) % 3 + 1); }
+
+void Store(void* buf, int64_t i, DType d, double v) {
+  switch (d) {
+    case DType::kInt32: static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v); break;
+    case DType::kInt64: static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v); break;
+    case DType::kFloat16: static_cast<uint16_t*>(buf)[i] = FloatToHalf(static_cast<float>(v)); break;
+    case DType::kBFloat16: static_cast<uint16_t*>(buf)[i] = FloatToBFloat16(static_cast<float>(v)); break;
+    case DType::kFloat32: static_cast<float*>(buf)[i] = static_cast<float>(v); break;
+    case DType::kFloat64: static_cast<double*>(buf)[i] = v; break;
+    case DType::kUInt8: static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v); break;
+  }
+}
+
+double Load(const void* buf, int64_t i, DType d) {
+  switch (d) {
+    case DType::kInt32: return static_cast<const int32_t*>(buf)[i];
+    case DType::kInt64: return static_cast<double>(static_cast<const int64_t*>(buf)[i]);
+    case DType::kFloat16: return HalfToFloat(static_cast<const uint16_t*>(buf)[i]);
+    case DType::kBFloat16: return BFloat16ToFloat(static_cast<const uint16_t*>(buf)[i]);
+    case DType::kFloat32: return static_cast<const float*>(buf)[i];
+    case DType::kFloat64: return static_cast<const double*>(buf)[i];
+    case DType::kUInt8: return static_cast<const uint8_t*>(buf)[i];
+  }
+  return 0;
+}
+
+// The exact expected result, rounded the way the engine rounds (mean: once, in the element type).
+double Expected(int n, int64_t i, DType d, ReduceOp op) {
+  double acc = Value(0, i);
+  for (int r = 1; r < n; ++r) {
+    const double v = Value(r, i);
+    if (op == ReduceOp::kSum || op == ReduceOp::kMean) acc += v;
+    if (op == ReduceOp::kMin) acc = std::min(acc, v);
+    if (op == ReduceOp::kMax) acc = std::max(acc, v);
+    if (op == ReduceOp::kProd) acc *= v;
+  }
+  if (op != ReduceOp::kMean) return acc;
+  std::vector<char> tmp(8);
+  Store(tmp.data(), 0, d, acc);
+  DivideBy(tmp.data(), 1, d, n);
+  return Load(tmp.data(), 0, d);
+}
+
+// Every dtype x op x size on one cluster; threshold picks star (huge) or ring (0).
+void SweepAllReduce(int n, int64_t ring_threshold, int64_t chunk_bytes) {
+  auto engines = StartCluster(n, [&](EngineConfig& c) {
+    c.ring_threshold_bytes = ring_threshold;
+    c.chunk_bytes = chunk_bytes;
+  });
+  ASSERT_EQ(static_cast<int>(engines.size()), n);
+  const int64_t sizes[] = {0, 1, 2, 7, 1000, 65537};
+  RunRanks(n, [&](int r) {
+    for (DType d : kAllDTypes) {
+      for (ReduceOp op : kAllOps) {
+        for (int64_t count : sizes) {
+          const size_t es = DTypeSize(d);
+          std::vector<char> in(count * es + 1), out(count * es + 1);
+          for (int64_t i = 0; i < count; ++i) Store(in.data(), i, d, Value(r, i));
+          const std::string name = std::string(DTypeName(d)) + "/" + ReduceOpName(op) + "/" + std::to_string(count);
+          Status s = engines[r]->AllReduceSync(in.data(), out.data(), count, d, op, name);
+          EXPECT_OK(s);
+          int bad = 0;
+          for (int64_t i = 0; i < count && bad < 3; ++i) {
+            const double want = Expected(n, i, d, op), got = Load(out.data(), i, d);
+            if (want != got) {
+              ++bad;
+              EXPECT_EQ(name + "[" + std::to_string(i) + "]=" + std::to_string(got), name + "[" + std::to_string(i) + "]=" + std::to_string(want));
+            }
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST(AllReduce, StarExactAllTypesNp1To4) {
+  for (int n = 1; n <= 4; ++n) SweepAllReduce(n, int64_t{1} << 26, 1 << 20);
+}
+
+TEST(AllReduce, RingExactAllTypesNp2To4SmallPieces) {
+  // Small pieces make the pipeline run many steps even for small buffers.
+  for (int n = 2; n <= 4; ++n) SweepAllReduce(n, 0, 4096);
+}
+
+TEST(AllReduce, InPlaceLargeRing) {
+  const int n = 3;
+  auto engines = StartCluster(n, [](EngineConfig& c) { c.chunk_bytes = 256 << 10; });
+  const int64_t count = (16 << 20) / 4 + 3;
+  RunRanks(n, [&](int r) {
+    std::vector<float> buf(count);
+    for (int64_t i = 0; i < count; ++i) buf[i] = static_cast<float>(Value(r, i));
+    EXPECT_OK(engines[r]->AllReduceSync(buf.data(), buf.data(), count, DType::kFloat32, ReduceOp::kSum, "big"));
+    int bad = 0;
+    for (int64_t i = 0; i < count && bad < 3; ++i) {
+      if (buf[i] != static_cast<float>(Expected(n, i, DType::kFloat32, ReduceOp::kSum))) ++bad;
+    }
+    EXPECT_EQ(bad, 0);
+  });
+}
+
+TEST(Broadcast, EveryRootStarAndChain) {
+  for (int n = 1; n <= 4; ++n) {
+    for (int64_t threshold : {int64_t{0}, int64_t{1} << 26}) {
+      auto engines = StartCluster(n, [&](EngineConfig& c) {
+        c.ring_threshold_bytes = threshold;
+        c.chunk_bytes = 1024;
+      });
+      RunRanks(n, [&](int r) {
+        for (int root = 0; root < n; ++root) {
+          for (int64_t count : {0, 1, 5000}) {
+            std::vector<int64_t> buf(count, r == root ? 0 : -1);
+            for (int64_t i = 0; r == root && i < count; ++i) buf[i] = i * 10 + root;
+            Waiter w;
+            engines[r]->Broadcast(buf.data(), count, DType::kInt64, root, "b" + std::to_string(count), w.Callback());
+            EXPECT_OK(w.Wait());
+            for (int64_t i = 0; i < count; ++i) {
+              if (buf[i] != i * 10 + root) {
+                EXPECT_EQ(buf[i], i * 10 + root);
+                break;
+              }
+            }
+          }
+        }
+      });
+    }
+  }
+}
+
+TEST(AllGather, DifferentCountsIncludingEmpty) {
+  for (int n = 1; n <= 4; ++n) {
+    auto engines = StartCluster(n, [](EngineConfig& c) { c.chunk_bytes = 64; });
+    RunRanks(n, [&](int r) {
+      std::vector<int64_t> counts;
+      for (int i = 0; i < n; ++i) counts.push_back(i == 1 ? 0 : 3 * i + 5);
+      int64_t total = 0;
+      for (auto c : counts) total += c;
+      std::vector<int32_t> in(counts[r]), out(total, -1);
+      for (int64_t i = 0; i < counts[r]; ++i) in[i] = r * 1000 + static_cast<int32_t>(i);
+      Waiter w;
+      engines[r]->AllGather(in.data(), out.data(), counts, DType::kInt32, "gather", w.Callback());
+      EXPECT_OK(w.Wait());
+      int64_t k = 0;
+      for (int src = 0; src < n; ++src) {
+        for (int64_t i = 0; i < counts[src]; ++i, ++k) EXPECT_EQ(out[k], src * 1000 + static_cast<int32_t>(i));
+      }
+    });
+  }
+}
+
+TEST(Consensus, SameAndDifferentAndBarrier) {
+  const int n = 3;
+  auto engines = StartCluster(n);
+  RunRanks(n, [&](int r) {
+    Waiter b;
+    engines[r]->Barrier("barrier", b.Callback());
+    EXPECT_OK(b.Wait());
+    const std::string same = "identical bytes";
+    const std::string diff = r == 2 ? "other" : "identical bytes";
+    bool s1 = false, s2 = true;
+    Waiter w1, w2;
+    engines[r]->Consensus(same.data(), same.size(), &s1, "c1", w1.Callback());
+    engines[r]->Consensus(diff.data(), diff.size(), &s2, "c2", w2.Callback());
+    EXPECT_OK(w1.Wait());
+    EXPECT_OK(w2.Wait());
+    EXPECT_TRUE(s1);
+    EXPECT_TRUE(!s2);
+  });
+}
+
+TEST(Concurrency, RankDependentPermutationOfTwentyCollectives) {
+  const int n = 4;
+  auto engines = StartCluster(n, [](EngineConfig& c) {
+    c.ring_threshold_bytes = 4096;
+    c.chunk_bytes = 4096;
+  });
+  RunRanks(n, [&](int r) {
+    std::vector<int> order(20);
+    for (int i = 0; i < 20; ++i) order[i] = i;
+    std::mt19937 rng(1234 + r);
+    std::shuffle(order.begin(), order.end(), rng);
+    std::vector<std::vector<float>> bufs(20);
+    std::vector<Waiter> waiters(20);
+    for (int i : order) {
+      bufs[i].assign(i % 2 ? 10000 : 3, static_cast<float>(r + i));
+      engines[r]->AllReduce(bufs[i].data(), bufs[i].data(), bufs[i].size(), DType::kFloat32, ReduceOp::kSum,
+                            "t" + std::to_string(i), waiters[i].Callback());
+    }
+    for (int i = 0; i < 20; ++i) {
+      EXPECT_OK(waiters[i].Wait());
+      EXPECT_EQ(bufs[i][0], static_cast<float>(0 + 1 + 2 + 3 + 4 * i));
+    }
+    EXPECT_TRUE(engines[r]->stats().max_in_flight >= 2);
+  });
+}
+
+TEST(Errors, CountMismatchIsInvalidArgumentEverywhere) {
+  for (int64_t threshold : {int64_t{0}, int64_t{1} << 26}) {
+    const int n = 4;
+    auto engines = StartCluster(n, [&](EngineConfig& c) { c.ring_threshold_bytes = threshold; });
+    RunRanks(n, [&](int r) {
+      std::vector<float> buf(r == 2 ? 101 : 100, 1.f);
+      Status s = engines[r]->AllReduceSync(buf.data(), buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum, "m");
+      EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
+      // The same name works again afterwards with agreeing shapes.
+      std::vector<float> ok(10, 1.f);
+      EXPECT_OK(engines[r]->AllReduceSync(ok.data(), ok.data(), ok.size(), DType::kFloat32, ReduceOp::kSum, "m2"));
+    });
+  }
+}
+
+TEST(Errors, DTypeMismatchIsInvalidArgumentEverywhere) {
+  const int n = 3;
+  auto engines = StartCluster(n);
+  RunRanks(n, [&](int r) {
+    std::vector<double> buf(8, 1.0);
+    const DType d = r == 0 ? DType::kFloat64 : DType::kInt64;
+    Status s = engines[r]->AllReduceSync(buf.data(), buf.data(), 8, d, ReduceOp::kSum, "dt");
+    EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
+  });
+}
+
+TEST(Errors, PeerThatLeavesFailsOthersPromptlyNamingIt) {
+  const int n = 3;
+  auto engines = StartCluster(n, [](EngineConfig& c) { c.timeout_seconds = 30; });
+  const auto t0 = std::chrono::steady_clock::now();
+  RunRanks(n, [&](int r) {
+    if (r == 2) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      engines[r].reset();  // leaves without joining the collective
+      return;
+    }
+    std::vector<float> buf(1000, 1.f);
+    Status s = engines[r]->AllReduceSync(buf.data(), buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum, "x");
+    EXPECT_EQ(CodeName(s.code()), CodeName(Code::kUnavailable));
+    EXPECT_TRUE(s.message().find("rank 2") != std::string::npos);
+  });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_TRUE(secs < 10);  // far below the 30 s timeout: the close was noticed, not waited out
+}
+
+TEST(Errors, StalledPeerIsDeadlineExceeded) {
+  const int n = 2;
+  auto engines = StartCluster(n, [](EngineConfig& c) { c.timeout_seconds = 0.5; });
+  std::vector<float> buf(10, 1.f);
+  Status s = engines[0]->AllReduceSync(buf.data(), buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum, "stall");
+  EXPECT_EQ(CodeName(s.code()), CodeName(Code::kDeadlineExceeded));
+  EXPECT_TRUE(s.message().find("stall") != std::string::npos);
+}
+
+TEST(Handshake, WrongTokenIsRefused) {
+  const PeerList peers = testing::LoopbackPeers(2);
+  std::vector<Status> results(2);
+  std::vector<std::unique_ptr<Engine>> engines(2);
+  RunRanks(2, [&](int r) {
+    EngineConfig c;
+    c.peers = peers;
+    c.rank = r;
+    c.token = r == 0 ? "right" : "wrong";
+    c.timeout_seconds = 3;
+    auto e = Engine::Start(c);
+    results[r] = e.status();
+    if (e.ok()) engines[r] = std::move(e.value());
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(CodeName(results[r].code()), CodeName(Code::kPermissionDenied));
+}
+
+TEST(Wire, HeaderRoundTripAndBounds) {
+  FrameHeader h;
+  h.kind = FrameKind::kData;
+  h.dtype = 6;
+  h.algo = Algo::kAllReduceRing;
+  h.aux = 3;
+  h.cluster_version = 7;
+  h.tag = 5;
+  h.generation = 99;
+  h.count = 1000;
+  h.offset = 500;
+  h.payload_bytes = 2000;
+  uint8_t buf[kFrameHeaderSize];
+  EncodeFrameHeader(h, 4, buf);
+  FrameHeader g;
+  uint32_t name_len = 0;
+  EXPECT_OK(DecodeFrameHeader(buf, &g, &name_len));
+  EXPECT_EQ(name_len, 4u);
+  EXPECT_EQ(g.generation, 99u);
+  EXPECT_EQ(g.offset, 500);
+  h.payload_bytes = kMaxPayloadBytes + 1;
+  EncodeFrameHeader(h, 4, buf);
+  EXPECT_TRUE(!DecodeFrameHeader(buf, &g, &name_len).ok());
+  h.payload_bytes = 8;
+  EncodeFrameHeader(h, kMaxNameBytes + 1, buf);
+  EXPECT_TRUE(!DecodeFrameHeader(buf, &g, &name_len).ok());
+  buf[0] ^= 0xff;
+  EXPECT_TRUE(!DecodeFrameHeader(buf, &g, &name_len).ok());
+}
+
+TEST(DType, HalfConversionsRoundTrip) {
+  for (float f : {0.f, 1.f, -2.5f, 65504.f, 6.1035e-05f, 1e-7f}) {
+    EXPECT_EQ(HalfToFloat(FloatToHalf(f)), HalfToFloat(FloatToHalf(HalfToFloat(FloatToHalf(f)))));
+  }
+  EXPECT_EQ(HalfToFloat(FloatToHalf(3.f)), 3.f);
+  EXPECT_EQ(BFloat16ToFloat(FloatToBFloat16(3.f)), 3.f);
+  EXPECT_EQ(HalfToFloat(FloatToHalf(1e6f)), HalfToFloat(0x7c00));  // overflow to inf
+}
+
+}  // namespace
+}  // namespace kungfu

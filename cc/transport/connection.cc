@@ -1,0 +1,223 @@
+#include "cc/transport/connection.h"
+
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+namespace kungfu {
+
+namespace {
+constexpr size_t kStagingBytes = 256 << 10;
+// Payload reads at least this large bypass the staging buffer.
+constexpr uint64_t kDirectReadMin = 16 << 10;
+constexpr int kMaxIov = 64;
+// Bound one readable event's work so one busy peer cannot starve the others.
+constexpr uint64_t kReadBudget = 16 << 20;
+}  // namespace
+
+Connection::Connection(Fd fd, int peer, FrameSink* sink)
+    : fd_(std::move(fd)), peer_(peer), sink_(sink), staging_(kStagingBytes) {}
+
+void Connection::Fail(const Status& s) {
+  if (broken_) return;
+  broken_ = true;
+  sink_->OnConnectionError(peer_, s);
+}
+
+void Connection::OnReadable() {
+  uint64_t budget = kReadBudget;
+  while (!broken_ && budget > 0) {
+    const uint64_t remaining = header_.payload_bytes - payload_got_;
+    char* dst;
+    size_t want;
+    const bool direct = state_ == ReadState::kPayload && !discard_ && staged_begin_ == staged_end_ &&
+                        remaining >= kDirectReadMin;
+    if (direct) {
+      dst = target_ + payload_got_;
+      want = remaining;
+    } else {
+      if (staged_begin_ == staged_end_) staged_begin_ = staged_end_ = 0;
+      if (staged_end_ == staging_.size()) {  // compact
+        std::memmove(staging_.data(), staging_.data() + staged_begin_, staged_end_ - staged_begin_);
+        staged_end_ -= staged_begin_;
+        staged_begin_ = 0;
+      }
+      dst = staging_.data() + staged_end_;
+      want = staging_.size() - staged_end_;
+    }
+    const ssize_t n = ::recv(fd_.get(), dst, want, 0);
+    if (n == 0) return Fail(Unavailable("closed the connection"));
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      if (errno == EINTR) continue;
+      return Fail(ErrnoStatus(Code::kUnavailable, "connection error", errno));
+    }
+    budget -= std::min<uint64_t>(budget, static_cast<uint64_t>(n));
+    if (direct) {
+      payload_got_ += static_cast<uint64_t>(n);
+      if (payload_got_ == header_.payload_bytes) FinishFrame();
+    } else {
+      staged_end_ += static_cast<size_t>(n);
+      if (!ParseStaged()) return;
+    }
+  }
+}
+
+// Consumes staged bytes into frames. Returns false when the connection broke.
+bool Connection::ParseStaged() {
+  for (;;) {
+    if (broken_) return false;
+    const size_t avail = staged_end_ - staged_begin_;
+    if (state_ == ReadState::kHeader) {
+      if (avail < kFrameHeaderSize) return true;
+      uint32_t name_len = 0;
+      const auto* p = reinterpret_cast<const uint8_t*>(staging_.data() + staged_begin_);
+      Status s = DecodeFrameHeader(p, &header_, &name_len);
+      if (!s.ok()) {
+        Fail(s.WithContext("malformed frame"));
+        return false;
+      }
+      if (avail < kFrameHeaderSize + name_len) return true;  // the name fits in staging: 4 KiB max
+      name_.assign(staging_.data() + staged_begin_ + kFrameHeaderSize, name_len);
+      staged_begin_ += kFrameHeaderSize + name_len;
+      BeginPayload();
+      continue;
+    }
+    const uint64_t take = std::min<uint64_t>(avail, header_.payload_bytes - payload_got_);
+    if (take > 0 && !discard_) std::memcpy(target_ + payload_got_, staging_.data() + staged_begin_, take);
+    staged_begin_ += take;
+    payload_got_ += take;
+    if (payload_got_ < header_.payload_bytes) return true;
+    FinishFrame();
+  }
+}
+
+void Connection::BeginPayload() {
+  state_ = ReadState::kPayload;
+  payload_got_ = 0;
+  discard_ = false;
+  target_ = nullptr;
+  if (header_.payload_bytes > 0) {
+    target_owner_ = 0;
+    target_ = sink_->PayloadTarget(peer_, header_, name_, &discard_, &target_owner_);
+    if (!discard_ && target_ == nullptr) {
+      owned_.reset(new char[header_.payload_bytes]);
+      target_ = owned_.get();
+    }
+  }
+  if (header_.payload_bytes == 0) FinishFrame();
+}
+
+void Connection::FinishFrame() {
+  state_ = ReadState::kHeader;
+  char* data = discard_ ? nullptr : target_;
+  const bool dropped = discard_;
+  target_ = nullptr;
+  discard_ = false;
+  if (dropped) {
+    owned_.reset();
+    return;
+  }
+  sink_->OnFrame(peer_, header_, std::move(name_), data, std::move(owned_));
+  name_.clear();
+}
+
+void Connection::Enqueue(const FrameHeader& h, const std::string& name, const void* data, uint64_t op_id) {
+  queue_.emplace_back();
+  OutFrame& f = queue_.back();
+  EncodeFrameHeader(h, static_cast<uint32_t>(name.size()), f.header);
+  f.name = name;
+  f.data = static_cast<const char*>(data);
+  f.len = h.payload_bytes;
+  f.op_id = op_id;
+}
+
+void Connection::EnqueueOwned(const FrameHeader& h, const std::string& name, std::unique_ptr<char[]> data,
+                              uint64_t op_id) {
+  Enqueue(h, name, data.get(), op_id);
+  queue_.back().owned = std::move(data);
+}
+
+bool Connection::Flush() {
+  while (!broken_ && !queue_.empty()) {
+    iovec iov[kMaxIov];
+    int n_iov = 0;
+    for (auto it = queue_.begin(); it != queue_.end() && n_iov + 3 <= kMaxIov; ++it) {
+      uint64_t skip = it->written;
+      auto add = [&](const char* base, uint64_t len) {
+        if (skip >= len) {
+          skip -= len;
+          return;
+        }
+        iov[n_iov].iov_base = const_cast<char*>(base + skip);
+        iov[n_iov].iov_len = len - skip;
+        ++n_iov;
+        skip = 0;
+      };
+      add(reinterpret_cast<const char*>(it->header), kFrameHeaderSize);
+      add(it->name.data(), it->name.size());
+      add(it->data, it->len);
+    }
+    msghdr msg{};
+    msg.msg_iov = iov;
+    msg.msg_iovlen = n_iov;
+    const ssize_t n = ::sendmsg(fd_.get(), &msg, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
+      if (errno == EINTR) continue;
+      Fail(ErrnoStatus(Code::kUnavailable, "send failed", errno));
+      return false;
+    }
+    uint64_t left = static_cast<uint64_t>(n);
+    while (left > 0 && !queue_.empty()) {
+      OutFrame& f = queue_.front();
+      const uint64_t need = f.total() - f.written;
+      if (left < need) {
+        f.written += left;
+        break;
+      }
+      left -= need;
+      const uint64_t op_id = f.op_id;
+      queue_.pop_front();
+      if (op_id != 0) sink_->OnSendDone(op_id);
+    }
+  }
+  return queue_.empty();
+}
+
+void Connection::AbandonTarget(uint64_t op_id) {
+  if (state_ == ReadState::kPayload && target_owner_ == op_id && !discard_) {
+    discard_ = true;
+    target_ = nullptr;
+  }
+}
+
+int Connection::CancelOp(uint64_t op_id) {
+  int dropped = 0;
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if (it->op_id != op_id) {
+      ++it;
+      continue;
+    }
+    if (it->written == 0) {
+      it = queue_.erase(it);
+      ++dropped;
+      continue;
+    }
+    // Partly written: the peer expects the rest of this frame. Keep our own copy of the payload.
+    if (!it->owned && it->len > 0) {
+      it->owned.reset(new char[it->len]);
+      std::memcpy(it->owned.get(), it->data, it->len);
+      it->data = it->owned.get();
+    }
+    it->op_id = 0;
+    ++it;
+  }
+  return dropped;
+}
+
+}  // namespace kungfu

@@ -1,0 +1,99 @@
+// One TCP connection to one peer, driven by the event loop (loop thread only).
+//
+// Connections are one-directional for data: this worker writes frames on the connection it opened
+// to a peer and reads frames on the connection the peer opened to it. Both kinds also watch for
+// EOF/errors so a dead peer is noticed on either side.
+//
+// Reading parses frames out of a staging buffer; large payloads are read straight into the buffer
+// the receiver chose (often the collective's output: zero copy). Writing batches queued frames into
+// one sendmsg() and never blocks; a frame's data pointer is borrowed until the frame is written.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "cc/status.h"
+#include "cc/transport/socket.h"
+#include "cc/wire.h"
+
+namespace kungfu {
+
+// What the connection hands frames to (the engine).
+class FrameSink {
+ public:
+  virtual ~FrameSink() = default;
+  // Where the payload of this frame goes. Return nullptr to have the connection allocate a buffer
+  // (passed to OnFrame as owned), or set *discard to read and drop the payload. A pointer into an
+  // op's memory sets *owner to the op's id, so the op can abandon it (AbandonTarget) if it ends first.
+  virtual char* PayloadTarget(int src, const FrameHeader& h, const std::string& name, bool* discard,
+                              uint64_t* owner) = 0;
+  virtual void OnFrame(int src, const FrameHeader& h, std::string name, char* data, std::unique_ptr<char[]> owned) = 0;
+  virtual void OnSendDone(uint64_t op_id) = 0;
+  virtual void OnConnectionError(int peer, const Status& s) = 0;
+};
+
+class Connection {
+ public:
+  Connection(Fd fd, int peer, FrameSink* sink);
+  int fd() const { return fd_.get(); }
+  int peer() const { return peer_; }
+  bool broken() const { return broken_; }
+
+  // Reads what is available; frames go to the sink. Errors go to the sink's OnConnectionError.
+  void OnReadable();
+  // Queues a frame. data (payload_bytes long) must stay valid until written or cancelled.
+  void Enqueue(const FrameHeader& h, const std::string& name, const void* data, uint64_t op_id);
+  // Same, but the connection owns the payload.
+  void EnqueueOwned(const FrameHeader& h, const std::string& name, std::unique_ptr<char[]> data, uint64_t op_id);
+  // Writes as much as the socket takes. Returns true when the queue is empty.
+  bool Flush();
+  bool HasPending() const { return !queue_.empty(); }
+  // Drops the op's frames that have not started; copies the unsent rest of a partly written one, so
+  // the caller may release the op's buffers now. Returns how many frames were dropped.
+  int CancelOp(uint64_t op_id);
+  // If a payload is being read into op_id's memory, read the rest of it into nothing instead.
+  void AbandonTarget(uint64_t op_id);
+
+ private:
+  struct OutFrame {
+    uint8_t header[kFrameHeaderSize];
+    std::string name;
+    const char* data = nullptr;
+    uint64_t len = 0;
+    std::unique_ptr<char[]> owned;
+    uint64_t written = 0;  // of header + name + payload
+    uint64_t op_id = 0;
+    uint64_t total() const { return kFrameHeaderSize + name.size() + len; }
+  };
+  enum class ReadState { kHeader, kPayload };
+
+  void Fail(const Status& s);
+  bool ParseStaged();
+  void BeginPayload();
+  void FinishFrame();
+
+  Fd fd_;
+  int peer_;
+  FrameSink* sink_;
+  bool broken_ = false;
+
+  // Read side.
+  std::vector<char> staging_;
+  size_t staged_begin_ = 0, staged_end_ = 0;
+  ReadState state_ = ReadState::kHeader;
+  FrameHeader header_;
+  std::string name_;
+  char* target_ = nullptr;
+  std::unique_ptr<char[]> owned_;
+  bool discard_ = false;
+  uint64_t target_owner_ = 0;  // op whose memory target_ points into (0: ours or none)
+  uint64_t payload_got_ = 0;
+
+  // Write side.
+  std::deque<OutFrame> queue_;
+};
+
+}  // namespace kungfu

@@ -1,0 +1,151 @@
+#include "cc/transport/handshake.h"
+
+#include <cstring>
+#include <vector>
+
+#include "cc/sha256.h"
+
+namespace kungfu {
+
+namespace {
+
+constexpr uint32_t kHelloMagic = 0x5348464b;  // "KFHS"
+constexpr uint16_t kHandshakeVersion = 1;
+constexpr size_t kNonceBytes = 32;
+constexpr size_t kMaxIdBytes = 255;
+
+enum Verdict : uint8_t {
+  kAccepted = 1,
+  kBadToken = 2,
+  kNotMember = 3,
+  kWrongVersion = 4,
+};
+
+const char* VerdictText(uint8_t v) {
+  switch (v) {
+    case kBadToken: return "the job token did not match";
+    case kNotMember: return "this worker is not in its peer list";
+    case kWrongVersion: return "cluster or protocol version mismatch";
+    default: return "unknown reason";
+  }
+}
+
+// HELLO layout: magic u32, version u16, id_len u16, cluster_version u32, rank u32, nonce[32], id[id_len].
+struct Hello {
+  uint16_t version = 0;
+  uint32_t cluster_version = 0;
+  uint32_t rank = 0;
+  uint8_t nonce[kNonceBytes] = {};
+  std::string id;
+};
+
+std::vector<uint8_t> EncodeHello(const Hello& h) {
+  std::vector<uint8_t> out(16 + kNonceBytes + h.id.size());
+  const uint32_t magic = kHelloMagic;
+  const uint16_t id_len = static_cast<uint16_t>(h.id.size());
+  std::memcpy(&out[0], &magic, 4);
+  std::memcpy(&out[4], &h.version, 2);
+  std::memcpy(&out[6], &id_len, 2);
+  std::memcpy(&out[8], &h.cluster_version, 4);
+  std::memcpy(&out[12], &h.rank, 4);
+  std::memcpy(&out[16], h.nonce, kNonceBytes);
+  std::memcpy(&out[16 + kNonceBytes], h.id.data(), h.id.size());
+  return out;
+}
+
+Digest Mac(const std::string& token, const char* label, const uint8_t* a, const uint8_t* b,
+           const std::vector<uint8_t>& extra) {
+  std::vector<uint8_t> msg(label, label + std::strlen(label));
+  msg.insert(msg.end(), a, a + kNonceBytes);
+  msg.insert(msg.end(), b, b + kNonceBytes);
+  msg.insert(msg.end(), extra.begin(), extra.end());
+  return HmacSha256(token, msg.data(), msg.size());
+}
+
+Status ReadHello(int fd, Hello* h, std::vector<uint8_t>* raw, Deadline deadline) {
+  uint8_t head[16 + kNonceBytes];
+  RETURN_IF_ERROR(ReadFull(fd, head, sizeof(head), deadline));
+  uint32_t magic;
+  uint16_t id_len;
+  std::memcpy(&magic, head, 4);
+  std::memcpy(&h->version, head + 4, 2);
+  std::memcpy(&id_len, head + 6, 2);
+  std::memcpy(&h->cluster_version, head + 8, 4);
+  std::memcpy(&h->rank, head + 12, 4);
+  std::memcpy(h->nonce, head + 16, kNonceBytes);
+  if (magic != kHelloMagic) return InvalidArgument("not a KungFu handshake (bad magic)");
+  if (id_len == 0 || id_len > kMaxIdBytes) return InvalidArgument("handshake id length out of bounds");
+  h->id.resize(id_len);
+  RETURN_IF_ERROR(ReadFull(fd, h->id.data(), id_len, deadline));
+  raw->assign(head, head + sizeof(head));
+  raw->insert(raw->end(), h->id.begin(), h->id.end());
+  return Status::OK();
+}
+
+}  // namespace
+
+Status ClientHandshake(int fd, const HandshakeParams& params, int self_rank, const PeerID& self_id,
+                       Deadline deadline) {
+  Hello hello;
+  hello.version = kHandshakeVersion;
+  hello.cluster_version = params.cluster_version;
+  hello.rank = static_cast<uint32_t>(self_rank);
+  hello.id = self_id.ToString();
+  if (!RandomBytes(hello.nonce, kNonceBytes)) return Internal("getrandom failed");
+  const std::vector<uint8_t> raw = EncodeHello(hello);
+  RETURN_IF_ERROR(WriteFull(fd, raw.data(), raw.size(), deadline));
+
+  uint8_t challenge[kNonceBytes + 32];
+  RETURN_IF_ERROR(ReadFull(fd, challenge, sizeof(challenge), deadline).WithContext("reading the handshake challenge"));
+  const uint8_t* server_nonce = challenge;
+  const Digest expect = Mac(params.token, "kungfu-server", hello.nonce, server_nonce, {});
+  if (!ConstantTimeEqual(expect.data(), challenge + kNonceBytes, 32)) {
+    return PermissionDenied("the peer could not prove it holds the job token");
+  }
+  const Digest proof = Mac(params.token, "kungfu-client", server_nonce, hello.nonce, raw);
+  RETURN_IF_ERROR(WriteFull(fd, proof.data(), proof.size(), deadline));
+  uint8_t verdict = 0;
+  RETURN_IF_ERROR(ReadFull(fd, &verdict, 1, deadline).WithContext("reading the handshake verdict"));
+  if (verdict != kAccepted) return PermissionDenied(std::string("the peer refused us: ") + VerdictText(verdict));
+  return Status::OK();
+}
+
+StatusOr<int> ServerHandshake(int fd, const HandshakeParams& params, Deadline deadline) {
+  Hello hello;
+  std::vector<uint8_t> raw;
+  RETURN_IF_ERROR(ReadHello(fd, &hello, &raw, deadline));
+  uint8_t challenge[kNonceBytes + 32];
+  if (!RandomBytes(challenge, kNonceBytes)) return Internal("getrandom failed");
+  const Digest server_mac = Mac(params.token, "kungfu-server", hello.nonce, challenge, {});
+  std::memcpy(challenge + kNonceBytes, server_mac.data(), 32);
+  RETURN_IF_ERROR(WriteFull(fd, challenge, sizeof(challenge), deadline));
+
+  uint8_t proof[32];
+  RETURN_IF_ERROR(ReadFull(fd, proof, sizeof(proof), deadline));
+  const Digest expect = Mac(params.token, "kungfu-client", challenge, hello.nonce, raw);
+  uint8_t verdict = kAccepted;
+  Status result;
+  int rank = -1;
+  if (!ConstantTimeEqual(expect.data(), proof, 32)) {
+    verdict = kBadToken;
+    result = PermissionDenied("the job token did not match");
+  } else if (hello.version != kHandshakeVersion || hello.cluster_version != params.cluster_version) {
+    verdict = kWrongVersion;
+    result = InvalidArgument("peer works under cluster version " + std::to_string(hello.cluster_version) +
+                             ", this worker under " + std::to_string(params.cluster_version));
+  } else {
+    auto id = ParsePeerID(hello.id);
+    rank = id.ok() ? params.peers->RankOf(*id) : -1;
+    if (rank < 0 || rank != static_cast<int>(hello.rank)) {
+      verdict = kNotMember;
+      result = PermissionDenied("peer '" + hello.id + "' (rank " + std::to_string(hello.rank) +
+                                ") is not in the peer list");
+    }
+  }
+  // Best effort: the client learns why before we close.
+  (void)WriteFull(fd, &verdict, 1, deadline);
+  if (!result.ok()) return result;
+  return rank;
+}
+
+}  // namespace kungfu
