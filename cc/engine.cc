@@ -102,8 +102,9 @@ void Engine::Impl::AddConnection(Fd fd, int peer, bool outgoing) {
   slot = std::make_unique<Connection>(std::move(fd), peer, this);
   Connection* c = slot.get();
   loop_.Add(c->fd(), EPOLLIN, [this, c](uint32_t events) {
-    if (events & EPOLLOUT) c->Flush();
+    if (events & EPOLLOUT) c->Flush(&sent_);
     if (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) c->OnReadable();
+    CheckBroken(c);
   });
 }
 

@@ -46,8 +46,8 @@ class Engine::Impl : public FrameSink, public OpContext {
   char* PayloadTarget(int src, const FrameHeader& h, const std::string& name, bool* discard,
                       uint64_t* owner) override;
   void OnFrame(int src, const FrameHeader& h, std::string name, char* data, std::unique_ptr<char[]> owned) override;
-  void OnSendDone(uint64_t op_id) override;
-  void OnConnectionError(int peer, const Status& s) override;
+  void OnConnectionError(int peer, const Status& s);
+  void CheckBroken(Connection* c);
 
  private:
   using Key = std::pair<std::string, uint64_t>;  // (name, generation)
@@ -70,6 +70,8 @@ class Engine::Impl : public FrameSink, public OpContext {
   void Fail(uint64_t op_id, Status s, bool tell_peers);
   void Finish(std::map<Key, ActiveOp>::iterator it, const Status& s);
   void SendAbort(const Key& key, const Status& s);
+  void OnSendDone(uint64_t op_id);
+  void ReportSent();  // OnSendDone for every id in sent_
   int AfterEvents();  // flush, deadlines; returns the loop's next sleep in ms
   ActiveOp* FindById(uint64_t op_id, std::map<Key, ActiveOp>::iterator* it);
   std::string Describe(const Op& op) const;
@@ -93,6 +95,7 @@ class Engine::Impl : public FrameSink, public OpContext {
   std::vector<Status> dead_;  // by rank: why a peer is gone (OK while alive)
   Status first_dead_;
   uint64_t next_op_id_ = 1;
+  std::vector<uint64_t> sent_;  // ops whose frames were written, to report outside op code
 
   // Shutdown handshake with the loop.
   std::mutex mu_;

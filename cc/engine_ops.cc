@@ -145,6 +145,17 @@ void Engine::Impl::Send(Op* op, int dst, FrameHeader h, const void* data) {
   out_[dst]->Enqueue(h, op->name(), data, op->id);
   ++op->outstanding_sends;
   stats_.bytes_sent += static_cast<int64_t>(h.payload_bytes);
+  // Write now rather than at the end of the loop iteration: a ring forwards each piece while the
+  // next one is still arriving. Completions wait in sent_ until we are outside the op's code.
+  if (!writing_[dst]) out_[dst]->Flush(&sent_);
+}
+
+void Engine::Impl::ReportSent() {
+  while (!sent_.empty()) {
+    std::vector<uint64_t> ids;
+    ids.swap(sent_);
+    for (uint64_t id : ids) OnSendDone(id);
+  }
 }
 
 void Engine::Impl::OnSendDone(uint64_t op_id) {
@@ -203,6 +214,11 @@ void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char
   pending_[key].push_back(PendingFrame{src, h, std::move(owned)});
 }
 
+void Engine::Impl::CheckBroken(Connection* c) {
+  Status why;
+  if (c->TakeError(&why)) OnConnectionError(c->peer(), why);
+}
+
 void Engine::Impl::OnConnectionError(int peer, const Status& s) {
   for (auto* c : {out_[peer].get(), in_[peer].get()}) {
     if (c && c->broken()) loop_.Remove(c->fd());
@@ -224,10 +240,17 @@ void Engine::Impl::OnConnectionError(int peer, const Status& s) {
 
 int Engine::Impl::AfterEvents() {
   bool pending_writes = false;
+  ReportSent();
+  for (auto& c : out_) {
+    if (c) CheckBroken(c.get());  // write errors seen while ops were sending
+  }
   for (int d = 0; d < size(); ++d) {
     Connection* c = out_[d].get();
     if (!c || c->broken()) continue;
-    const bool empty = c->Flush();
+    const bool empty = c->Flush(&sent_);
+    ReportSent();
+    CheckBroken(c);
+    if (c->broken()) continue;
     if (c->broken()) continue;
     if (empty == writing_[d]) {
       writing_[d] = !empty;

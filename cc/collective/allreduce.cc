@@ -7,7 +7,9 @@
 // 2(n-1)/n of the buffer. The buffer is cut into n chunks and each chunk into pieces of chunk_bytes;
 // a piece received at step t is reduced (t < n-1) or stored (t >= n-1) and forwarded at step t+1, so
 // steps overlap and the pipe stays full. Received allgather pieces land directly in the output.
+#include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "cc/collective/op.h"
@@ -157,21 +159,26 @@ class AllReduceRing : public Op {
   Status Start(OpContext* ctx) override {
     n_ = ctx->size();
     r_ = ctx->rank();
-    if (in_ != out_ && count_ > 0) std::memcpy(out_, in_, count_ * esize_);
-    if (n_ == 1) return Status::OK();
+    if (n_ == 1) {
+      if (in_ != out_ && count_ > 0) std::memcpy(out_, in_, count_ * esize_);
+      return Status::OK();
+    }
     piece_ = std::max<int64_t>(1, ctx->config().chunk_bytes / esize_);
+    scratch_.reset(new char[piece_ * esize_]);
     expected_ = (count_ - ChunkSize(r_)) + (count_ - ChunkSize((r_ + 1) % n_));
+    // No copy of in to out: step 0 sends our chunk from in, and every chunk of out is written
+    // exactly once, either by its reduce-scatter reduction (out = in + received) or by the allgather.
     const int64_t b = ChunkBegin(count_, n_, r_), e = ChunkBegin(count_, n_, r_ + 1);
-    for (int64_t off = b; off < e; off += piece_) SendPiece(ctx, 0, off, std::min(piece_, e - off));
+    for (int64_t off = b; off < e; off += piece_) SendPiece(ctx, 0, off, std::min(piece_, e - off), in_);
     return Status::OK();
   }
 
+  // Allgather pieces land in the output; reduce-scatter pieces in a scratch piece, since this op
+  // hears only from its left neighbour and reduces each piece before the next one is read.
   char* DirectTarget(int src, const FrameHeader& h) override {
     int64_t len = 0;
-    if (src != Left() || h.tag < static_cast<uint32_t>(n_ - 1) || !Agrees(h) || !Placement(h, &len).ok()) {
-      return nullptr;
-    }
-    return out_ + h.offset * esize_;
+    if (src != Left() || !Agrees(h) || !Placement(h, &len).ok()) return nullptr;
+    return h.tag < static_cast<uint32_t>(n_ - 1) ? scratch_.get() : out_ + h.offset * esize_;
   }
 
   Status OnData(OpContext* ctx, int src, const FrameHeader& h, const char* data) override {
@@ -183,13 +190,13 @@ class AllReduceRing : public Op {
     const int t = static_cast<int>(h.tag);
     char* dst = out_ + h.offset * esize_;
     if (t <= n_ - 2) {
-      ReduceInto(dst, data, len, dtype_, op_);
+      Reduce3(dst, in_ + h.offset * esize_, data, len, dtype_, op_);
       if (t == n_ - 2 && op_ == ReduceOp::kMean) DivideBy(dst, len, dtype_, n_);
     } else if (data != dst) {
       std::memcpy(dst, data, len * esize_);
     }
     received_ += len;
-    if (t < 2 * n_ - 3) SendPiece(ctx, t + 1, h.offset, len);
+    if (t < 2 * n_ - 3) SendPiece(ctx, t + 1, h.offset, len, out_);
     return Status::OK();
   }
 
@@ -224,7 +231,7 @@ class AllReduceRing : public Op {
     return Status::OK();
   }
 
-  void SendPiece(OpContext* ctx, int tag, int64_t off, int64_t len) {
+  void SendPiece(OpContext* ctx, int tag, int64_t off, int64_t len, const char* from) {
     FrameHeader h;
     h.algo = Algo::kAllReduceRing;
     h.dtype = static_cast<uint8_t>(dtype_);
@@ -233,7 +240,7 @@ class AllReduceRing : public Op {
     h.tag = static_cast<uint32_t>(tag);
     h.offset = off;
     h.payload_bytes = static_cast<uint64_t>(len * esize_);
-    ctx->Send(this, (r_ + 1) % n_, h, out_ + off * esize_);
+    ctx->Send(this, (r_ + 1) % n_, h, from + off * esize_);
   }
 
   const char* in_;
@@ -245,6 +252,7 @@ class AllReduceRing : public Op {
   int n_ = 1, r_ = 0;
   int64_t piece_ = 1;
   int64_t expected_ = 0, received_ = 0;
+  std::unique_ptr<char[]> scratch_;  // one reduce-scatter piece
 };
 
 }  // namespace

@@ -11,12 +11,14 @@
 namespace kungfu {
 
 namespace {
-constexpr size_t kStagingBytes = 256 << 10;
+// Small enough that little of a large payload goes through it (the rest is read in place), large
+// enough to take many small frames in one recv().
+constexpr size_t kStagingBytes = 64 << 10;
 // Payload reads at least this large bypass the staging buffer.
 constexpr uint64_t kDirectReadMin = 16 << 10;
 constexpr int kMaxIov = 64;
 // Bound one readable event's work so one busy peer cannot starve the others.
-constexpr uint64_t kReadBudget = 16 << 20;
+constexpr uint64_t kReadBudget = 4 << 20;
 }  // namespace
 
 Connection::Connection(Fd fd, int peer, FrameSink* sink)
@@ -25,7 +27,14 @@ Connection::Connection(Fd fd, int peer, FrameSink* sink)
 void Connection::Fail(const Status& s) {
   if (broken_) return;
   broken_ = true;
-  sink_->OnConnectionError(peer_, s);
+  error_ = s;
+}
+
+bool Connection::TakeError(Status* why) {
+  if (!broken_ || error_taken_) return false;
+  error_taken_ = true;
+  *why = error_;
+  return true;
 }
 
 void Connection::OnReadable() {
@@ -142,7 +151,7 @@ void Connection::EnqueueOwned(const FrameHeader& h, const std::string& name, std
   queue_.back().owned = std::move(data);
 }
 
-bool Connection::Flush() {
+bool Connection::Flush(std::vector<uint64_t>* sent) {
   while (!broken_ && !queue_.empty()) {
     iovec iov[kMaxIov];
     int n_iov = 0;
@@ -183,7 +192,7 @@ bool Connection::Flush() {
       left -= need;
       const uint64_t op_id = f.op_id;
       queue_.pop_front();
-      if (op_id != 0) sink_->OnSendDone(op_id);
+      if (op_id != 0) sent->push_back(op_id);
     }
   }
   return queue_.empty();

@@ -31,8 +31,6 @@ class FrameSink {
   virtual char* PayloadTarget(int src, const FrameHeader& h, const std::string& name, bool* discard,
                               uint64_t* owner) = 0;
   virtual void OnFrame(int src, const FrameHeader& h, std::string name, char* data, std::unique_ptr<char[]> owned) = 0;
-  virtual void OnSendDone(uint64_t op_id) = 0;
-  virtual void OnConnectionError(int peer, const Status& s) = 0;
 };
 
 class Connection {
@@ -41,15 +39,19 @@ class Connection {
   int fd() const { return fd_.get(); }
   int peer() const { return peer_; }
   bool broken() const { return broken_; }
+  // Why the connection broke, once: the owner polls this outside any op's code (a write error can
+  // happen while an op is sending, and failing ops from there would pull the op out from under itself).
+  bool TakeError(Status* why);
 
-  // Reads what is available; frames go to the sink. Errors go to the sink's OnConnectionError.
+  // Reads what is available; frames go to the sink. Errors are kept for TakeError().
   void OnReadable();
   // Queues a frame. data (payload_bytes long) must stay valid until written or cancelled.
   void Enqueue(const FrameHeader& h, const std::string& name, const void* data, uint64_t op_id);
   // Same, but the connection owns the payload.
   void EnqueueOwned(const FrameHeader& h, const std::string& name, std::unique_ptr<char[]> data, uint64_t op_id);
-  // Writes as much as the socket takes. Returns true when the queue is empty.
-  bool Flush();
+  // Writes as much as the socket takes; appends the op id of each fully written frame to sent
+  // (the caller reports them later, outside any op's code). Returns true when the queue is empty.
+  bool Flush(std::vector<uint64_t>* sent);
   bool HasPending() const { return !queue_.empty(); }
   // Drops the op's frames that have not started; copies the unsent rest of a partly written one, so
   // the caller may release the op's buffers now. Returns how many frames were dropped.
@@ -79,6 +81,8 @@ class Connection {
   int peer_;
   FrameSink* sink_;
   bool broken_ = false;
+  bool error_taken_ = false;
+  Status error_;
 
   // Read side.
   std::vector<char> staging_;
