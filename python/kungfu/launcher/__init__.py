@@ -1,0 +1,59 @@
+"""kfrun: starts a KungFu job's workers on this machine and, through ssh, on others.
+
+    kfrun -np 4 [-H 127.0.0.1:4,10.1.0.2:4 | --hostfile FILE] [--timeout S] [--port-range A-B] -- cmd args
+
+Each worker gets KUNGFU_PEERS, KUNGFU_RANK, KUNGFU_SIZE, KUNGFU_LOCAL_RANK, KUNGFU_LOCAL_SIZE,
+KUNGFU_TOKEN, KUNGFU_TIMEOUT and KUNGFU_CLUSTER_VERSION (read by kungfu._env.resolve_cluster).
+See docs/launcher.md. This package imports nothing from the rest of kungfu (no TensorFlow).
+"""
+
+import secrets
+import sys
+
+from . import cli
+from . import hosts as hosts_lib
+from . import output
+from . import plan
+from .hosts import UsageError
+from .supervisor import Supervisor
+from .worker import LaunchError
+
+__all__ = ["main", "run"]
+
+
+def _usage_error(message):
+    sys.stderr.write(f"kfrun: error: {message}\nRun `kfrun --help` for usage.\n")
+    sys.stderr.flush()
+    return 2
+
+
+def _plan(opts):
+    specs = plan.plan_workers(opts.hosts, opts.np, opts.port_range)
+    local = {s.host: s.is_local for s in specs}
+    hosts_lib.check_reachable_names([s.host for s in specs], local_check=local.__getitem__)
+    return specs
+
+
+def run(argv):
+    """Runs kfrun with argv (program name first); returns the exit code."""
+    try:
+        opts = cli.parse_args(argv)
+        if opts is None:
+            sys.stdout.write(cli.help_text())
+            return 0
+        specs = _plan(opts)
+    except UsageError as e:
+        return _usage_error(e)
+    token = secrets.token_hex(32)
+    envs = [plan.worker_env(s, specs, token, opts.timeout) for s in specs]
+    printer = output.LinePrinter()
+    try:
+        return Supervisor(specs, opts.command, envs, opts, printer).run()
+    except LaunchError as e:
+        printer.message(f"{e}; the workers already started were stopped")
+        return e.exit_code
+
+
+def main(argv=None):
+    """Console-script entry point (kfrun)."""
+    sys.exit(run(sys.argv if argv is None else argv))

@@ -1,0 +1,124 @@
+"""kfrun's command line, parsed with absl flags into an Options value.
+
+The flags live in a private FlagValues, so importing the launcher never clashes with a program's own
+absl flags. Parsing stops at `--` or at the first argument that is not a flag: everything after it is
+the worker command, untouched (its own flags included).
+"""
+
+import dataclasses
+import os
+
+from absl import flags
+
+from . import hosts as hosts_lib
+from . import plan
+from . import ssh
+from .hosts import UsageError
+
+USAGE = """\
+usage: kfrun -np N [-H host:slots,... | --hostfile FILE] [options] -- command [args...]
+
+Starts N workers of `command`, gives each its KUNGFU_* environment (peers, rank, token, timeout) and
+prefixes every output line with the worker's rank. Example:
+  kfrun -np 4 -- python train.py --epochs 3
+  kfrun -np 8 -H 10.1.0.1:4,10.1.0.2:4 --timeout 120 -- python train.py
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    np: int  # number of workers
+    hosts: list  # [hosts.HostSpec], in the order ranks fill them
+    timeout: float  # KUNGFU_TIMEOUT: the deadline of every blocking wait in the workers
+    grace: float  # after a failure, how long the others may run on before SIGTERM
+    kill_after: float  # from SIGTERM to SIGKILL
+    port_range: tuple  # (first, last) engine port, inclusive
+    forward_env: dict  # extra variables for remote workers (-x)
+    command: list  # the worker command line
+
+
+def _define_flags():
+    fv = flags.FlagValues()
+    flags.DEFINE_boolean("help", False, "Show this help and exit.", short_name="h", flag_values=fv)
+    flags.DEFINE_integer("np", None, "Number of workers (required).", flag_values=fv)
+    flags.DEFINE_string("H", None, "Hosts and slots: host:N,host:N,... (default: 127.0.0.1:np).", flag_values=fv)
+    flags.DEFINE_string("hostfile", None, "File of 'host slots=N' or 'host:N' lines; # comments.", flag_values=fv)
+    flags.DEFINE_float("timeout", 60.0, "Seconds; every blocking wait in a worker (KUNGFU_TIMEOUT).", flag_values=fv)
+    flags.DEFINE_float(
+        "grace", None, "Seconds the others may run on after a worker fails, before SIGTERM "
+        "(default: timeout + 10).", flag_values=fv)
+    flags.DEFINE_float("kill-after", 5.0, "Seconds from SIGTERM to SIGKILL.", flag_values=fv)
+    flags.DEFINE_string("port-range", plan.DEFAULT_PORT_RANGE, "Engine ports A-B to pick from.", flag_values=fv)
+    flags.DEFINE_multi_string(
+        "x", [], "NAME or NAME=VALUE: set this variable for remote workers too (local workers inherit "
+        "kfrun's environment). Repeatable.", flag_values=fv)
+    fv.set_gnu_getopt(False)  # stop at the first non-flag: the worker command keeps its own flags
+    return fv
+
+
+def help_text():
+    return USAGE + "\noptions:\n" + _define_flags().get_help(include_special_flags=False)
+
+
+def _forward_env(specs):
+    env = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        try:
+            ssh.check_env_name(name)
+        except ValueError as e:
+            raise UsageError(f"-x {spec}: {e}") from None
+        if not sep:
+            if name not in os.environ:
+                raise UsageError(f"-x {name}: {name} is not set in kfrun's environment; use -x {name}=VALUE")
+            value = os.environ[name]
+        env[name] = value
+    return env
+
+
+def _hosts(fv, np):
+    if fv.H is not None and fv.hostfile is not None:
+        raise UsageError("give either -H or --hostfile, not both")
+    if fv.H is not None:
+        return hosts_lib.parse_host_list(fv.H)
+    if fv.hostfile is not None:
+        return hosts_lib.parse_hostfile(fv.hostfile)
+    return [hosts_lib.HostSpec("127.0.0.1", np)]
+
+
+def _positive(name, value):
+    if not value > 0:
+        raise UsageError(f"--{name} must be positive, got {value:g}")
+    return value
+
+
+def parse_args(argv):
+    """argv includes the program name. Returns Options, or None for --help. Raises UsageError."""
+    fv = _define_flags()
+    try:
+        rest = fv(list(argv))
+    except flags.Error as e:
+        raise UsageError(str(e)) from None
+    if fv.help:
+        return None
+    if fv.np is None:
+        raise UsageError("-np is required: the number of workers, e.g. kfrun -np 4 -- python train.py")
+    if fv.np < 1:
+        raise UsageError(f"-np must be at least 1, got {fv.np}")
+    command = rest[1:]
+    if not command:
+        raise UsageError("no worker command; put it after --, e.g. kfrun -np 2 -- python train.py")
+    timeout = _positive("timeout", fv.timeout)
+    grace = timeout + 10 if fv.grace is None else fv.grace
+    if grace < 0:
+        raise UsageError(f"--grace must not be negative, got {grace:g}")
+    return Options(
+        np=fv.np,
+        hosts=_hosts(fv, fv.np),
+        timeout=timeout,
+        grace=grace,
+        kill_after=_positive("kill-after", fv["kill-after"].value),
+        port_range=plan.parse_port_range(fv["port-range"].value),
+        forward_env=_forward_env(fv.x),
+        command=command,
+    )

@@ -1,0 +1,140 @@
+"""Where workers run: parsing -H and --hostfile, and telling local hosts from remote ones.
+
+A host is "local" when kfrun starts its workers itself (subprocess) instead of through ssh. All local
+names (127.0.0.1, localhost, this machine's name or one of its addresses) are one machine: they share
+one pool of ports and one LOCAL_RANK numbering.
+"""
+
+import dataclasses
+import socket
+
+LOCAL_MACHINE = "<local>"  # machine key shared by every name of this machine
+
+
+class UsageError(ValueError):
+    """Bad command-line input; kfrun prints the message and exits with status 2."""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostSpec:
+    host: str  # name or IPv4 literal, exactly as it will appear in KUNGFU_PEERS
+    slots: int  # how many workers may run there
+
+
+def _parse_slots(text, where):
+    try:
+        slots = int(text)
+    except ValueError:
+        slots = 0
+    if slots < 1:
+        raise UsageError(f"{where}: slots must be a positive integer, got '{text}'")
+    return slots
+
+
+def _check_host_name(host, where):
+    if not host or any(c in host for c in " \t,:=/@'\"\\$`;&|<>()"):
+        raise UsageError(f"{where}: '{host}' is not a host name or IPv4 address")
+    return host
+
+
+def _parse_entry(entry, where):
+    """'host:N' or 'host' (1 slot)."""
+    host, sep, slots = entry.partition(":")
+    if not sep:
+        return HostSpec(_check_host_name(host, where), 1)
+    return HostSpec(_check_host_name(host, where), _parse_slots(slots, where))
+
+
+def _no_duplicates(hosts, where):
+    seen = set()
+    for h in hosts:
+        if h.host in seen:
+            raise UsageError(f"{where}: host '{h.host}' is listed twice; give it once with all its slots")
+        seen.add(h.host)
+    return hosts
+
+
+def parse_host_list(text):
+    """Parses -H: 'host:N,host:N,...'."""
+    where = f"-H '{text}'"
+    entries = [e.strip() for e in text.split(",")]
+    if not text.strip() or any(not e for e in entries):
+        raise UsageError(f"{where}: expected host:slots[,host:slots...], e.g. -H 127.0.0.1:4,10.1.0.2:4")
+    return _no_duplicates([_parse_entry(e, where) for e in entries], where)
+
+
+def _parse_hostfile_line(line, where):
+    fields = line.split()
+    if len(fields) == 1:
+        return _parse_entry(fields[0], where)
+    if len(fields) == 2 and fields[1].startswith("slots="):
+        return HostSpec(_check_host_name(fields[0], where), _parse_slots(fields[1][len("slots="):], where))
+    raise UsageError(f"{where}: expected 'host slots=N' or 'host:N', got '{line}'")
+
+
+def parse_hostfile_text(text, name="hostfile"):
+    """Parses hostfile lines 'host slots=N' or 'host:N'; '#' starts a comment."""
+    hosts = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if line:
+            hosts.append(_parse_hostfile_line(line, f"{name}:{number}"))
+    if not hosts:
+        raise UsageError(f"{name}: no hosts listed; add lines like '10.1.0.2 slots=4'")
+    return _no_duplicates(hosts, name)
+
+
+def parse_hostfile(path):
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise UsageError(f"--hostfile {path}: cannot read it: {e.strerror}") from None
+    return parse_hostfile_text(text, path)
+
+
+def is_loopback(host):
+    h = host.lower()
+    return h == "localhost" or h.startswith("127.") or h == "::1"
+
+
+def _can_bind(host):
+    """True when one of host's IPv4 addresses belongs to this machine (binding to it succeeds)."""
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False  # unknown here; ssh may still know it (~/.ssh/config alias)
+    for info in infos:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((info[4][0], 0))
+                return True
+            except OSError:
+                continue
+    return False
+
+
+def is_local(host):
+    if is_loopback(host):
+        return True
+    name = socket.gethostname().lower()
+    if host.lower() in (name, name.split(".")[0]):
+        return True
+    return _can_bind(host)
+
+
+def machine_key(host, local_check=is_local):
+    """Hosts with the same key are one machine (shared ports and LOCAL_RANK numbering)."""
+    return LOCAL_MACHINE if local_check(host) else host.lower()
+
+
+def check_reachable_names(names, local_check=is_local):
+    """Refuses a loopback name in a job that also has remote hosts: they could not reach it."""
+    names = list(dict.fromkeys(names))
+    remote = [h for h in names if not local_check(h)]
+    loop = [h for h in names if is_loopback(h)]
+    if remote and loop:
+        raise UsageError(
+            f"host '{loop[0]}' is a loopback name, which the remote hosts ({', '.join(remote)}) cannot reach; "
+            "name this machine by an address they can reach (its LAN address, not a loopback name)"
+        )

@@ -1,0 +1,114 @@
+"""The job plan: which rank runs where, on which port, with which environment.
+
+Ranks fill hosts in the order given (host 1 gets its slots first). Ports come from --port-range,
+one pool per machine; on this machine a port is taken only if binding it succeeds now (the engine binds
+it a moment later, so a port grabbed in between makes the engine fail with a clear bind error).
+Remote ports cannot be checked from here and are handed out in order.
+"""
+
+import dataclasses
+import socket
+
+from . import hosts as hosts_lib
+from .hosts import UsageError
+
+DEFAULT_PORT_RANGE = "10000-11000"
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    rank: int
+    host: str  # as the user named it; other peers connect to it
+    port: int  # the engine's listening port
+    local_rank: int  # index among the workers on the same machine
+    local_size: int  # number of workers on that machine
+    is_local: bool  # started by kfrun directly; else through ssh
+
+    @property
+    def addr(self):
+        return f"{self.host}:{self.port}"
+
+
+def parse_port_range(text):
+    """'A-B' -> (A, B), inclusive."""
+    lo, sep, hi = text.partition("-")
+    try:
+        a, b = int(lo), int(hi)
+    except ValueError:
+        a = b = 0
+    if not sep or not (1 <= a <= b <= 65535):
+        raise UsageError(f"--port-range '{text}': expected A-B with 1 <= A <= B <= 65535, e.g. {DEFAULT_PORT_RANGE}")
+    return a, b
+
+
+def port_is_free(port):
+    """Binds without SO_REUSEADDR, so a port in use or in TIME_WAIT counts as taken."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("", port))
+            return True
+        except OSError:
+            return False
+
+
+def _assign_hosts(hosts, np):
+    """The host of each rank 0..np-1, filling hosts in the order given."""
+    total = sum(h.slots for h in hosts)
+    if np > total:
+        listed = ",".join(f"{h.host}:{h.slots}" for h in hosts)
+        raise UsageError(f"-np {np} needs {np} slots but the hosts give {total} ({listed}); add slots or lower -np")
+    placed = []
+    for h in hosts:
+        placed.extend([h.host] * min(h.slots, np - len(placed)))
+    return placed
+
+
+class _PortPool:
+    def __init__(self, port_range, port_free):
+        self._range = port_range
+        self._free = port_free
+        self._next = {}  # machine key -> next port to try
+
+    def take(self, key, local):
+        lo, hi = self._range
+        port = self._next.get(key, lo)
+        while port <= hi:
+            if not local or self._free(port):
+                self._next[key] = port + 1
+                return port
+            port += 1
+        raise UsageError(
+            f"--port-range {lo}-{hi} has no free port left for another worker on "
+            f"{'this machine' if local else key}; widen --port-range"
+        )
+
+
+def plan_workers(hosts, np, port_range, local_check=hosts_lib.is_local, port_free=port_is_free):
+    """Returns one WorkerSpec per rank, in rank order."""
+    placed = _assign_hosts(hosts, np)
+    local = {h: local_check(h) for h in set(placed)}
+    keys = [hosts_lib.LOCAL_MACHINE if local[h] else h.lower() for h in placed]
+    sizes = {k: keys.count(k) for k in keys}
+    seen = {}
+    pool = _PortPool(port_range, port_free)
+    workers = []
+    for rank, (host, key) in enumerate(zip(placed, keys)):
+        local_rank = seen.get(key, 0)
+        seen[key] = local_rank + 1
+        port = pool.take(key, local[host])
+        workers.append(WorkerSpec(rank, host, port, local_rank, sizes[key], local[host]))
+    return workers
+
+
+def worker_env(spec, workers, token, timeout):
+    """The KUNGFU_* variables of one worker (the contract read by kungfu._env.resolve_cluster)."""
+    return {
+        "KUNGFU_PEERS": ",".join(w.addr for w in workers),
+        "KUNGFU_RANK": str(spec.rank),
+        "KUNGFU_SIZE": str(len(workers)),
+        "KUNGFU_LOCAL_RANK": str(spec.local_rank),
+        "KUNGFU_LOCAL_SIZE": str(spec.local_size),
+        "KUNGFU_TOKEN": token,
+        "KUNGFU_TIMEOUT": f"{timeout:g}",
+        "KUNGFU_CLUSTER_VERSION": "0",
+    }

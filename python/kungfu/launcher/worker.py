@@ -1,0 +1,141 @@
+"""One started worker process and the ways to stop it.
+
+A local worker runs in its own session, so its process group id is its pid and a signal to the group
+reaches whatever it started. A remote worker is an ssh client (also in its own group); its stdin is
+the remote worker's lifeline (see ssh.py): closing it makes the remote side SIGTERM the worker.
+"""
+
+import os
+import signal
+import subprocess
+
+from . import output
+from . import ssh
+
+
+class LaunchError(Exception):
+    """A worker could not be started; exit_code is what kfrun exits with (127: command not found)."""
+
+    def __init__(self, message, exit_code):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Worker:
+    def __init__(self, spec, proc, pumps):
+        self.spec = spec  # plan.WorkerSpec
+        self.proc = proc  # subprocess.Popen of the worker (local) or of ssh (remote)
+        self.pumps = pumps  # output threads
+        self.returncode = None  # set by the supervisor once the process is reaped
+        self.signalled = False  # whether a signal from kfrun's user was forwarded to it
+
+    def describe(self):
+        where = "" if self.spec.is_local else " via ssh"
+        return f"worker {self.spec.rank} ({self.spec.addr}{where})"
+
+    def _killpg(self, signum):
+        try:
+            os.killpg(self.proc.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass  # the group is gone
+
+    def _close_stdin(self):
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def signal(self, signum):
+        """Forwards signum to a local worker's group; a remote worker gets SIGTERM (stdin closed)."""
+        self.signalled = True
+        if self.spec.is_local:
+            self._killpg(signum)
+        else:
+            self._close_stdin()
+
+    def terminate(self):
+        self.signal(signal.SIGTERM)
+
+    def kill(self):
+        self._close_stdin()
+        self._killpg(signal.SIGKILL)
+
+    def alive(self, live_groups):
+        """True while the process is unreaped or its process group still has a live member.
+
+        live_groups is live_process_groups(): zombies do not count, since an orphan that no init
+        reaps (as in some containers) would otherwise keep its group "alive" forever."""
+        if self.returncode is None:
+            return True
+        if live_groups is not None:
+            return self.proc.pid in live_groups
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+
+def live_process_groups():
+    """The process group ids that have a member which is not a zombie; None without Linux's /proc."""
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return None
+    groups = set()
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                state, _ppid, pgrp = f.read().rsplit(b")", 1)[1].split()[:3]
+        except (OSError, ValueError):
+            continue  # it exited while we looked
+        if state != b"Z":
+            groups.add(int(pgrp))
+    return groups
+
+
+def _start_local(spec, command, env):
+    return subprocess.Popen(
+        command,
+        env={**os.environ, **env},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+
+
+def _start_remote(spec, command, env, opts):
+    remote_env = {k: v for k, v in env.items() if k != "KUNGFU_TOKEN"}
+    remote_env.update(opts.forward_env)
+    argv = ssh.ssh_command(spec.host, os.getcwd(), remote_env, command, opts.timeout, opts.kill_after)
+    proc = subprocess.Popen(
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        proc.stdin.write(env["KUNGFU_TOKEN"].encode() + b"\n")
+        proc.stdin.flush()
+    except OSError:
+        pass  # ssh already died; its exit code and stderr tell why
+    return proc
+
+
+def start(spec, command, env, opts, printer):
+    """Starts one worker with its KUNGFU_* env and output pumps. Raises LaunchError if it cannot start."""
+    try:
+        if spec.is_local:
+            proc = _start_local(spec, command, env)
+        else:
+            proc = _start_remote(spec, command, env, opts)
+    except OSError as e:
+        program = command[0] if spec.is_local else "ssh"
+        code = 127 if isinstance(e, (FileNotFoundError, PermissionError)) else 1
+        raise LaunchError(f"cannot start worker {spec.rank}: {program}: {e.strerror or e}", code) from e
+    pumps = [
+        output.start_pump(proc.stdout, spec.rank, printer, to_stderr=False),
+        output.start_pump(proc.stderr, spec.rank, printer, to_stderr=True),
+    ]
+    return Worker(spec, proc, pumps)
