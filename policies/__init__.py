@@ -1,0 +1,1 @@
+"""Adaptation policies; populated by a later issue."""
