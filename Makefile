@@ -1,0 +1,119 @@
+# Build, test and CI entry points. CI runs `make test` (.ci/run) on a fresh Debian 12 machine as root.
+#
+#   make deps         apt and pip packages (each skipped when already there)
+#   make build        pip install --no-build-isolation .   (kungfu/_kungfu.so + the Python package)
+#   make cc-test      the engine tests, no TensorFlow: build/cc/kungfu_cc_tests
+#   make bazel-build  bazel build //:kungfu_ops  -> build/bazel/_kungfu.so
+#   make bazel-test   bazel test //cc:engine_test
+#   make test         all of the above, then pytest tests/
+#   make demo         kfrun -np 4 on examples/demo.py
+#   make bench        benchmarks/allreduce.py (writes benchmarks/results/)
+
+SHELL := /bin/bash
+PYTHON ?= python3
+CXX ?= g++
+BAZEL ?= bazel
+NPROC := $(shell nproc 2>/dev/null || echo 2)
+SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
+
+APT_PACKAGES := build-essential bazel-bootstrap openmpi-bin libopenmpi-dev
+PIP := $(PYTHON) -m pip --disable-pip-version-check
+PIP_INSTALL := $(PIP) install --root-user-action=ignore
+# Where pip puts console scripts (kfrun): pyenv's shims only see new ones after `pyenv rehash`.
+SCRIPTS_DIR = $(shell $(PYTHON) -c 'import sysconfig; print(sysconfig.get_path("scripts"))')
+KFRUN = $(SCRIPTS_DIR)/kfrun
+
+# mpirun (benchmarks, tests) refuses to run as root without these; CI runs as root on 2 cores.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+
+.PHONY: all deps deps-apt deps-pip build cc-test bazel-build bazel-test test demo bench clean FORCE
+all: build
+
+# ---- dependencies ----------------------------------------------------------------------------
+
+deps: deps-apt deps-pip
+
+deps-apt:
+	@missing="$$(for p in $(APT_PACKAGES); do \
+	    dpkg-query -W -f='$${Status}\n' $$p 2>/dev/null | grep -q 'install ok installed' || echo $$p; done)"; \
+	if [ -n "$$missing" ]; then \
+	    echo "apt-get install" $$missing; \
+	    $(SUDO) apt-get update -q && \
+	    DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -q --no-install-recommends $$missing; \
+	fi
+
+deps-pip: deps-apt
+	$(PIP_INSTALL) -q -r requirements.txt
+
+# ---- the Python package (setup.py) -----------------------------------------------------------
+
+build:
+	$(PIP_INSTALL) -q --no-build-isolation .
+	@command -v pyenv >/dev/null && pyenv rehash || true
+
+# ---- engine tests, no TensorFlow -------------------------------------------------------------
+# The engine must not include TensorFlow, so this one target names its own -std.
+
+CC_TEST_SRCS := $(wildcard cc/*.cc cc/transport/*.cc cc/collective/*.cc cc/tests/*.cc)
+CC_TEST_OBJS := $(patsubst %.cc,build/cc/obj/%.o,$(CC_TEST_SRCS))
+CC_TEST_BIN := build/cc/kungfu_cc_tests
+CC_TEST_FLAGS := -std=c++17 -O2 -pthread -Wall -I.
+
+cc-test:
+	@$(MAKE) --no-print-directory -j$(NPROC) $(CC_TEST_BIN)
+	./$(CC_TEST_BIN)
+
+# Relink when the list of sources changes, not only when an object does.
+build/cc/objects.txt: FORCE
+	@mkdir -p $(@D)
+	@echo '$(CC_TEST_OBJS)' | cmp -s - $@ || echo '$(CC_TEST_OBJS)' > $@
+
+$(CC_TEST_BIN): $(CC_TEST_OBJS) build/cc/objects.txt
+	$(CXX) $(CC_TEST_FLAGS) -o $@ $(CC_TEST_OBJS)
+
+build/cc/obj/%.o: %.cc
+	@mkdir -p $(@D)
+	$(CXX) $(CC_TEST_FLAGS) -MMD -MP -c $< -o $@
+
+-include $(CC_TEST_OBJS:.o=.d)
+
+# ---- Bazel (offline; see third_party/bazel/README.md) ----------------------------------------
+
+# The Python whose tf.sysconfig gives the flags (tools/tf_configure.bzl runs tools/tf_config.py).
+BAZEL_FLAGS = --repo_env=PYTHON_BIN_PATH=$(shell $(PYTHON) -c 'import sys; print(sys.executable)') \
+              --show_progress_rate_limit=10
+
+bazel-build:
+	$(BAZEL) build $(BAZEL_FLAGS) //:kungfu_ops
+	@mkdir -p build/bazel
+	@rm -f build/bazel/_kungfu.so && cp bazel-bin/_kungfu.so build/bazel/_kungfu.so && chmod u+w build/bazel/_kungfu.so
+	@echo "Bazel-built library: $(CURDIR)/build/bazel/_kungfu.so  (use it with KUNGFU_LIBRARY=<path>)"
+
+bazel-test:
+	$(BAZEL) test $(BAZEL_FLAGS) //cc:engine_test
+
+# ---- everything ------------------------------------------------------------------------------
+
+# Steps run one after another even under make -j: each needs the one before.
+test: deps
+	@$(MAKE) --no-print-directory build
+	@$(MAKE) --no-print-directory cc-test
+	@$(MAKE) --no-print-directory bazel-build bazel-test
+	@$(PYTHON) -m pytest -q tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests under tests/" >&2; fi; exit $$rc
+
+demo: deps
+	@$(MAKE) --no-print-directory build
+	$(KFRUN) -np 4 $(PYTHON) examples/demo.py
+
+bench: deps
+	@$(MAKE) --no-print-directory build
+	$(PYTHON) benchmarks/allreduce.py
+
+clean:
+	rm -rf build dist *.egg-info python/*.egg-info
+	-$(BAZEL) clean
+
+FORCE:
