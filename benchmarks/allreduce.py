@@ -33,8 +33,9 @@ flags.DEFINE_integer('iters', 200, 'most timed iterations per size (fewer when -
 flags.DEFINE_integer('min_iters', 5, 'fewest timed iterations per size')
 flags.DEFINE_integer('warmup', 3, 'untimed iterations per size')
 flags.DEFINE_float('seconds', 2.0, 'time budget per size and system for the timed iterations')
+flags.DEFINE_integer('rounds', 2, 'times the whole sweep is run; each cell keeps its best median')
 flags.DEFINE_bool('quick', False, 'smoke run (about 2 minutes): defaults --seconds=0.25 --iters=30 --min_iters=3 '
-                  '--warmup=2')
+                  '--warmup=2 --rounds=1')
 flags.DEFINE_integer('launch_timeout', 0, 'seconds before a launch is killed; 0 derives it from the plan')
 flags.DEFINE_string('launcher', sys.executable + ' -m kungfu.launcher', 'how to start kungfu workers')
 flags.DEFINE_string('out', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'allreduce.md'),
@@ -51,7 +52,7 @@ def parse_size(text):
     return nbytes
 
 
-QUICK = dict(seconds=0.25, iters=30, min_iters=3, warmup=2)  # --quick's values for flags not given
+QUICK = dict(seconds=0.25, iters=30, min_iters=3, warmup=2, rounds=1)  # --quick's values for flags not given
 
 
 def _flag(name):
@@ -112,6 +113,28 @@ def run_system(system, np, sizes, work_dir):
     return merged, ''
 
 
+def measure_all(runs, sizes, work_dir, rounds):
+    """Runs every (system, np) launch, the whole list `rounds` times over so that a burst of load from other
+    programs hits one round of a system rather than all of them; keeps each cell's best median.
+    Returns ({series: {np: {nbytes: seconds}}}, [(what, why) for launches that failed in every round])."""
+    results, failed, succeeded = {}, {}, set()
+    for r in range(rounds):
+        if rounds > 1:
+            print('round %d of %d' % (r + 1, rounds), flush=True)
+        for system, np in runs:
+            what = '%s, np %d' % (' + '.join(system.series), np)
+            merged, why = run_system(system, np, sizes, work_dir)
+            if merged is None:
+                failed.setdefault(what, why)
+                continue
+            succeeded.add(what)
+            for series, by_size in merged.items():
+                cells = results.setdefault(series, {}).setdefault(np, {})
+                for nbytes, t in by_size.items():
+                    cells[nbytes] = min(t, cells.get(nbytes, t))
+    return results, [(what, why) for what, why in failed.items() if what not in succeeded]
+
+
 def _first_line(*argv):
     try:
         r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
@@ -146,9 +169,9 @@ def run_meta(plan):
             platform.python_version(), _version('tensorflow-cpu', 'tensorflow'), _version('mpi4py'),
             _first_line('mpirun', '--version'), _version('kungfu'),
             _first_line('git', '-C', here, 'rev-parse', '--short', 'HEAD'))),
-        ('plan', 'per size and system: %d warm-up, then %d to %d timed iterations within %.2f s%s' % (
-            plan['warmup'], plan['min_iters'], plan['max_iters'], plan['seconds'],
-            ' (--quick)' if FLAGS.quick else '')),
+        ('plan', 'per size and system: %d warm-up, then %d to %d timed iterations within %.2f s; best of %d '
+                 'round(s)%s' % (plan['warmup'], plan['min_iters'], plan['max_iters'], plan['seconds'],
+                                 _flag('rounds'), ' (--quick)' if FLAGS.quick else '')),
     ]
 
 
@@ -159,7 +182,7 @@ def main(argv):
     unknown = set(FLAGS.systems) - {'kungfu', 'mpi', 'mpi_tcp', 'mwms', 'raw'}
     if unknown or min(nps) < 2:
         raise app.UsageError('--systems takes kungfu, mpi, mpi_tcp, mwms, raw; --np values must be >= 2')
-    results, failures = {}, []
+    failures = []
     with tempfile.TemporaryDirectory(prefix='kf-allreduce-') as work_dir:
         meta = run_meta(make_plan(sizes, work_dir))
         binary = S.build_tcp_ring(work_dir) if 'raw' in FLAGS.systems else None
@@ -173,14 +196,10 @@ def main(argv):
         runs = [(s, np) for np in nps for s in chosen if s.available]
         if binary:
             runs.append((S.oneway_system(binary), 2))
-        for system, np in runs:
-            merged, why = run_system(system, np, sizes, work_dir)
-            if merged is None:
-                failures.append(('%s, np %d' % (' + '.join(system.series), np), why))
-                continue
-            for series, by_size in merged.items():
-                results.setdefault(series, {})[np] = by_size
+        results, failed = measure_all(runs, sizes, work_dir, _flag('rounds'))
+        failures += failed
     failures += [(s.key, 'not available on this machine') for s in chosen if not s.available]
+    meta.append(('load average at end', '%.2f %.2f %.2f' % os.getloadavg()))
     text = report.render(results, nps, sizes, meta, failures)
     print('\n' + text)
     if FLAGS.out:

@@ -17,31 +17,27 @@ ENGINE_SERIES = 'kungfu (engine)'
 FLOAT32, SUM = 6, 1  # wire values from cc/dtype.h (DType::kFloat32, ReduceOp::kSum)
 
 
-def _rank_and_size():
-    rank = int(os.environ.get('KUNGFU_RANK', '0'))
-    size = int(os.environ.get('KUNGFU_SIZE', '1'))
-    return rank, size
-
-
 class OpCollective:
-    """kungfu.all_reduce on a tf.constant, eagerly; the op returns once the reduced tensor is ready."""
+    """kungfu.all_reduce on a tf.constant, eagerly; the op returns once the reduced tensor is ready.
+    Each size has a fixed collective name, as a training step's gradient would."""
 
     def __init__(self):
-        self.rank, self.size = _rank_and_size()
-        self._one = tf.ones([1], tf.float32)
+        self.rank, self.size = kungfu.rank(), kungfu.size()
 
     def barrier(self):
-        kungfu.all_reduce(self._one)
+        kungfu.barrier(name='bench/barrier')
 
     def sum_over_ranks(self, value):
-        return int(round(float(kungfu.all_reduce(tf.constant([float(value)], tf.float32))[0])))
+        x = tf.constant([float(value)], tf.float32)
+        return int(round(float(kungfu.all_reduce(x, op='sum', name='bench/agree')[0])))
 
     def prepare(self, nbytes):
         x = tf.ones([nbytes // 4], tf.float32)
+        name = 'bench/op/%d' % nbytes
         last = [None]
 
         def run():
-            last[0] = kungfu.all_reduce(x)
+            last[0] = kungfu.all_reduce(x, op='sum', name=name)
 
         return run, (lambda: float(last[0][0]))
 
@@ -50,7 +46,7 @@ class EngineCollective:
     """The engine's blocking kungfu_all_reduce through ctypes, on numpy buffers (ctypes drops the GIL)."""
 
     def __init__(self, lib):
-        self.rank, self.size = _rank_and_size()
+        self.rank, self.size = kungfu.rank(), kungfu.size()
         self._fn = lib.kungfu_all_reduce
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
@@ -64,11 +60,11 @@ class EngineCollective:
             raise RuntimeError('kungfu_all_reduce %s: %s' % (name.decode(), self._err.value.decode()))
 
     def barrier(self):
-        self._call(self._scalar_in, self._scalar_out, b'bench/barrier')
+        self._call(self._scalar_in, self._scalar_out, b'bench/engine-barrier')
 
     def sum_over_ranks(self, value):
         x = np.array([float(value)], np.float32)
-        self._call(x, self._scalar_out, b'bench/agree')
+        self._call(x, self._scalar_out, b'bench/engine-agree')
         return int(round(float(self._scalar_out[0])))
 
     def prepare(self, nbytes):
@@ -79,17 +75,10 @@ class EngineCollective:
 
 
 def _engine_library():
-    """The loaded engine library when kungfu exposes one with the C call, else None."""
-    lib = getattr(kungfu, '_lib', None)
-    for candidate in (lib, getattr(lib, 'lib', None), getattr(lib, 'LIB', None)):
-        if candidate is not None and hasattr(candidate, 'kungfu_all_reduce'):
-            return candidate
-    loader = getattr(lib, 'load', None) or getattr(lib, 'library', None)
-    if callable(loader):
-        candidate = loader()
-        if hasattr(candidate, 'kungfu_all_reduce'):
-            return candidate
-    return None
+    """The engine's C API (the library kungfu.init() loaded), or None if it lacks the blocking call."""
+    from kungfu import _lib
+    c = _lib.load().c
+    return c if hasattr(c, 'kungfu_all_reduce') else None
 
 
 def main():
