@@ -177,8 +177,11 @@ def run_meta(plan):
 
 def main(argv):
     del argv
-    nps = sorted({int(n) for n in FLAGS.np})
-    sizes = sorted({parse_size(s) for s in FLAGS.sizes})
+    try:
+        nps = sorted({int(n) for n in FLAGS.np})
+        sizes = sorted({parse_size(s) for s in FLAGS.sizes})
+    except (ValueError, KeyError) as e:
+        raise app.UsageError('--np takes integers, --sizes e.g. 4K,1M,4096: %s' % e)
     unknown = set(FLAGS.systems) - {'kungfu', 'mpi', 'mpi_tcp', 'mwms', 'raw'}
     if unknown or min(nps) < 2:
         raise app.UsageError('--systems takes kungfu, mpi, mpi_tcp, mwms, raw; --np values must be >= 2')
