@@ -1,0 +1,84 @@
+#include "kf_ops/adapter.h"
+
+#include <utility>
+
+#include "cc/c_api.h"
+#include "tensorflow/core/framework/device_base.h"
+#include "tensorflow/core/platform/threadpool.h"
+
+namespace kungfu_tf {
+
+absl::Status ToEngineDType(tensorflow::DataType dtype, kungfu::DType* out) {
+  using kungfu::DType;
+  switch (dtype) {
+    case tensorflow::DT_HALF: *out = DType::kFloat16; return absl::OkStatus();
+    case tensorflow::DT_BFLOAT16: *out = DType::kBFloat16; return absl::OkStatus();
+    case tensorflow::DT_FLOAT: *out = DType::kFloat32; return absl::OkStatus();
+    case tensorflow::DT_DOUBLE: *out = DType::kFloat64; return absl::OkStatus();
+    case tensorflow::DT_INT32: *out = DType::kInt32; return absl::OkStatus();
+    case tensorflow::DT_INT64: *out = DType::kInt64; return absl::OkStatus();
+    case tensorflow::DT_UINT8:
+    case tensorflow::DT_INT8:
+    case tensorflow::DT_BOOL: *out = DType::kUInt8; return absl::OkStatus();
+    default:
+      return absl::InvalidArgumentError("kungfu does not support dtype " + tensorflow::DataTypeString(dtype));
+  }
+}
+
+absl::Status ToTfStatus(const kungfu::Status& s) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(static_cast<int>(s.code())), s.message());
+}
+
+absl::Status ViewOf(const Tensor& t, BufferView* out) {
+  absl::Status s = ToEngineDType(t.dtype(), &out->dtype);
+  if (!s.ok()) return s;
+  out->data = const_cast<char*>(t.tensor_data().data());
+  out->count = t.NumElements();
+  return absl::OkStatus();
+}
+
+absl::Status KeyOf(OpKernelContext* ctx, std::string* key) {
+  const Tensor& t = ctx->input(ctx->num_inputs() - 2);
+  if (t.dtype() != tensorflow::DT_STRING || t.dims() != 0) {
+    return absl::InvalidArgumentError("the collective key must be a scalar string, got " + t.DebugString());
+  }
+  *key = std::string(t.scalar<tensorflow::tstring>()());
+  if (key->empty()) return absl::InvalidArgumentError("the collective key must not be empty");
+  return absl::OkStatus();
+}
+
+std::shared_ptr<kungfu::Engine> EngineOrFail(OpKernelContext* ctx, const AsyncOpKernel::DoneCallback& done) {
+  std::shared_ptr<kungfu::Engine> engine = kungfu::GlobalEngine();
+  if (!engine) {
+    ctx->SetStatus(absl::FailedPreconditionError(
+        "kungfu is not initialized: call kungfu.init() first (or it was finalized)"));
+    done();
+  }
+  return engine;
+}
+
+void RunOnWorkerPool(OpKernelContext* ctx, std::function<void()> fn) {
+  const tensorflow::DeviceBase::CpuWorkerThreads* threads = ctx->device()->tensorflow_cpu_worker_threads();
+  if (threads != nullptr && threads->workers != nullptr) {
+    threads->workers->Schedule(std::move(fn));
+  } else {
+    fn();
+  }
+}
+
+kungfu::DoneCallback FinishKernel(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done,
+                                  std::function<absl::Status()> then, std::shared_ptr<void> keep) {
+  return [ctx, done = std::move(done), then = std::move(then), keep = std::move(keep)](const kungfu::Status& s) {
+    RunOnWorkerPool(ctx, [ctx, done, then, keep, s] {
+      absl::Status status = ToTfStatus(s);
+      if (status.ok() && then) status = then();
+      if (!status.ok()) ctx->SetStatus(status);
+      done();
+    });
+  };
+}
+
+std::string Describe(const char* what, const std::string& name) { return std::string(what) + " '" + name + "'"; }
+
+}  // namespace kungfu_tf

@@ -1,0 +1,62 @@
+// The one place where TensorFlow meets the engine: dtype, status and buffer conversions, and the
+// completion path every collective kernel uses.
+//
+// Threading: engine callbacks run on the engine's event-loop thread and must be quick (cc/engine.h,
+// design note 5). Finishing a TF kernel is not quick: done() lets the executor run successor kernels
+// inline, possibly one that waits on the engine. So every callback made here only hops to the TF
+// device's worker pool, where the kernel's status is set and done() is called, exactly once.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "cc/dtype.h"
+#include "cc/engine.h"
+#include "cc/status.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+#include "tensorflow/core/framework/types.h"
+
+namespace kungfu_tf {
+
+using tensorflow::AsyncOpKernel;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+
+// The engine dtype carrying a TF dtype. bool and int8 travel as uint8: only byte-moving collectives
+// (broadcast, all-gather, consensus) accept them, which the op registrations enforce.
+absl::Status ToEngineDType(tensorflow::DataType dtype, kungfu::DType* out);
+
+// Codes are numerically identical (cc/status.h), so this keeps the code and the message.
+absl::Status ToTfStatus(const kungfu::Status& s);
+
+// A tensor seen as the engine sees it.
+struct BufferView {
+  void* data = nullptr;   // the tensor's first byte (null for an empty tensor is fine)
+  int64_t count = 0;      // elements
+  kungfu::DType dtype{};  // engine dtype
+};
+absl::Status ViewOf(const Tensor& t, BufferView* out);
+
+// The collective's key: the scalar string input before the token (the last input of every op).
+absl::Status KeyOf(OpKernelContext* ctx, std::string* key);
+
+// The process-wide engine, or null after failing the kernel with FailedPrecondition (done() called).
+std::shared_ptr<kungfu::Engine> EngineOrFail(OpKernelContext* ctx, const AsyncOpKernel::DoneCallback& done);
+
+// Runs fn on the kernel device's worker pool (inline when the device has none).
+void RunOnWorkerPool(OpKernelContext* ctx, std::function<void()> fn);
+
+// An engine callback that finishes the kernel: on a worker thread, runs then() if the engine
+// succeeded (it may copy results into outputs and return its own error), sets the kernel status
+// and calls done().
+// `keep` holds whatever the engine reads or writes until the callback runs (e.g. input tensors).
+kungfu::DoneCallback FinishKernel(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done,
+                                  std::function<absl::Status()> then = nullptr, std::shared_ptr<void> keep = nullptr);
+
+// "allreduce 'grad/w'", the prefix of messages the kernels raise themselves.
+std::string Describe(const char* what, const std::string& name);
+
+}  // namespace kungfu_tf
