@@ -1,0 +1,174 @@
+"""The kungfu library and the process-wide engine behind kungfu.init().
+
+One shared library, python/kungfu/_kungfu.so (or the file named by KUNGFU_LIBRARY), holds both the
+TensorFlow ops and the engine's C API. It is loaded on first use, never at import:
+  1. tf.load_op_library(path) first. TF learns which ops a library defines by watching the op
+     registry while *it* loads the library; had ctypes loaded it first, the ops would already be
+     registered and TF's generated Python wrappers would come out empty.
+  2. ctypes.CDLL(path): dlopen of a path already loaded returns the same handle, so the C API here
+     and the kernels share one engine (kungfu::GlobalEngine()).
+
+Threading: a lock guards loading, init and finalize; the engine itself is thread-safe.
+"""
+
+import atexit
+import ctypes
+import os
+import threading
+
+from . import errors
+
+LIBRARY_ENV = "KUNGFU_LIBRARY"
+_STATS_FIELDS = ("started", "completed", "failed", "in_flight", "max_in_flight", "bytes_sent", "bytes_received",
+                 "refused_handshakes")  # the order of kungfu_stats() in cc/c_api.h
+_ERR_LEN = 4096
+
+_lock = threading.RLock()
+_library = None  # _Library, once loaded
+_cluster = None  # kungfu._env.ClusterSpec of the running engine; None when not initialized
+_atexit_registered = False
+
+
+class _Library:
+    def __init__(self, path, ops, cdll):
+        self.path = path  # the file both loaders opened
+        self.ops = ops  # the module of generated op wrappers (kf_all_reduce, ...)
+        self.c = cdll  # the C API, argument types declared
+
+
+def library_path():
+    """The shared library kungfu loads: $KUNGFU_LIBRARY, else _kungfu.so next to this file."""
+    path = os.environ.get(LIBRARY_ENV)
+    if path:
+        return os.path.abspath(path)
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "_kungfu.so")
+
+
+def _declare(c):
+    i64p = ctypes.POINTER(ctypes.c_int64)
+    c.kungfu_init.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_double, ctypes.c_uint32,
+                              ctypes.c_char_p, ctypes.c_int]
+    c.kungfu_init.restype = ctypes.c_int
+    for fn in (c.kungfu_initialized, c.kungfu_rank, c.kungfu_size, c.kungfu_finalize):
+        fn.argtypes = []
+        fn.restype = ctypes.c_int
+    c.kungfu_stats.argtypes = [i64p, ctypes.c_int]
+    c.kungfu_stats.restype = ctypes.c_int
+    c.kungfu_reset_stats.argtypes = []
+    c.kungfu_reset_stats.restype = None
+    c.kungfu_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
+                                    ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
+    c.kungfu_all_reduce.restype = ctypes.c_int
+
+
+def load():
+    """Loads the library once (see the module doc) and returns it."""
+    global _library
+    with _lock:
+        if _library is None:
+            path = library_path()
+            if not os.path.exists(path):
+                hint = (f"{LIBRARY_ENV} names a missing file" if os.environ.get(LIBRARY_ENV) else
+                        "build it with `pip install --no-build-isolation .` or point KUNGFU_LIBRARY at a built one")
+                raise errors.EngineError(f"kungfu library not found at {path}: {hint}")
+            import tensorflow as tf  # only here: `import kungfu` must stay cheap
+
+            ops = tf.load_op_library(path)
+            cdll = ctypes.CDLL(path)
+            _declare(cdll)
+            _library = _Library(path, ops, cdll)
+        return _library
+
+
+def op_module():
+    """The generated op wrappers (kf_all_reduce, kf_broadcast, ...)."""
+    return load().ops
+
+
+def init():
+    """Starts this process's engine and connects it to the other workers. A second call does nothing.
+
+    The cluster comes from the launcher's environment (kungfu._env.resolve_cluster): kfrun, mpirun,
+    or nothing, which gives a single-worker cluster of size 1. Raises ValueError for a bad
+    environment and a KungFuError (e.g. CollectiveTimeout when peers do not come up) if the engine
+    cannot start.
+    """
+    global _cluster, _atexit_registered
+    from . import _env
+
+    with _lock:
+        if _cluster is not None:
+            return
+        try:
+            cluster = _env.resolve_cluster()
+        except TimeoutError as e:
+            raise errors.CollectiveTimeout(f"kungfu.init: rendezvous timed out: {e}") from e
+        lib = load()
+        err = ctypes.create_string_buffer(_ERR_LEN)
+        code = lib.c.kungfu_init(",".join(cluster.peers).encode(), cluster.rank, cluster.token.encode(),
+                                 float(cluster.timeout), cluster.version, err, _ERR_LEN)
+        if code != 0:
+            raise errors.from_code(code, f"kungfu.init (rank {cluster.rank} of {cluster.size}): "
+                                   f"{err.value.decode(errors='replace')}")
+        _cluster = cluster
+        if not _atexit_registered:
+            atexit.register(finalize)
+            _atexit_registered = True
+
+
+def finalize():
+    """Waits (up to the timeout) for in-flight collectives and stops the engine. Safe to call twice."""
+    global _cluster
+    with _lock:
+        if _cluster is None:
+            return
+        _cluster = None
+        _library.c.kungfu_finalize()
+
+
+def initialized():
+    return _cluster is not None
+
+
+def require_init(what="this"):
+    """Raises NotInitializedError naming `what` unless init() has run."""
+    if _cluster is None:
+        raise errors.NotInitializedError(f"{what} needs kungfu.init() to be called first")
+
+
+def rank():
+    """This worker's rank in [0, size())."""
+    require_init("kungfu.rank()")
+    return _cluster.rank
+
+
+def size():
+    """The number of workers."""
+    require_init("kungfu.size()")
+    return _cluster.size
+
+
+def local_rank():
+    """This worker's index among the workers on its machine."""
+    require_init("kungfu.local_rank()")
+    return _cluster.local_rank
+
+
+def local_size():
+    """The number of workers on this machine."""
+    require_init("kungfu.local_size()")
+    return _cluster.local_size
+
+
+def engine_stats():
+    """The engine's counters as a dict (see EngineStats in cc/engine.h); for tests and benchmarks."""
+    require_init("kungfu._lib.engine_stats()")
+    values = (ctypes.c_int64 * len(_STATS_FIELDS))()
+    n = _library.c.kungfu_stats(values, len(_STATS_FIELDS))
+    return dict(zip(_STATS_FIELDS[:n], values[:n]))
+
+
+def reset_engine_stats():
+    """Zeroes the resettable counters, max_in_flight included."""
+    require_init("kungfu._lib.reset_engine_stats()")
+    _library.c.kungfu_reset_stats()

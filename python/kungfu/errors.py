@@ -1,0 +1,98 @@
+"""The exceptions kungfu raises, under one base class.
+
+    KungFuError
+    ├── NotInitializedError    kungfu.init() was not called (or finalize() was)       usage error
+    ├── MismatchError          workers disagree on a collective (dtype, shape, count)   fatal: a program bug
+    ├── PeerError              a peer failed, closed its connection or is unreachable   recoverable
+    │   └── CollectiveTimeout  a collective or the start-up missed its deadline        recoverable
+    ├── ClusterChangedError    work met a message of another cluster version            recoverable
+    └── EngineError            anything else the engine reports                        fatal
+
+Recoverable errors mean "the cluster is not what it was": a caller that can rebuild it (resize, restart
+from a checkpoint) may carry on; `is_recoverable(exc)` tells which is which.
+
+Where these are raised: kungfu raises them itself from Python (init(), rank() and the collective
+wrappers' own checks). A collective that fails while it runs inside TensorFlow surfaces as the
+matching `tf.errors.OpError` instead: InvalidArgumentError (mismatch), UnavailableError (peer gone),
+DeadlineExceededError (timeout), AbortedError (cluster changed), FailedPreconditionError (not
+initialized). TF owns that exception path; `from_tf_error(e)` converts one into the error above,
+keeping its message, which names the collective and the peer.
+"""
+
+# Status codes as in cc/status.h (identical to TF's and absl's canonical codes).
+_INVALID_ARGUMENT = 3
+_DEADLINE_EXCEEDED = 4
+_FAILED_PRECONDITION = 9
+_ABORTED = 10
+_UNAVAILABLE = 14
+
+
+class KungFuError(Exception):
+    """Base of every kungfu error. `code` is the engine status code when one is known (else None)."""
+
+    recoverable = False
+
+    def __init__(self, message, code=None):
+        super().__init__(message)
+        self.code = code
+
+
+class NotInitializedError(KungFuError, RuntimeError):
+    """kungfu.init() has not been called in this process, or kungfu.finalize() has."""
+
+
+class MismatchError(KungFuError, ValueError):
+    """Workers called the same collective with different dtypes, shapes or element counts."""
+
+
+class PeerError(KungFuError):
+    """A peer failed, closed its connection or could not be reached. The message names it."""
+
+    recoverable = True
+
+
+class CollectiveTimeout(PeerError):
+    """A collective (or init's connection to the peers) did not finish within KUNGFU_TIMEOUT."""
+
+
+class ClusterChangedError(KungFuError):
+    """Work started under one cluster version met another: the cluster was resized meanwhile."""
+
+    recoverable = True
+
+
+class EngineError(KungFuError):
+    """An engine failure with no more specific class (bad configuration, internal error)."""
+
+
+_BY_CODE = {
+    _INVALID_ARGUMENT: MismatchError,
+    _DEADLINE_EXCEEDED: CollectiveTimeout,
+    _FAILED_PRECONDITION: NotInitializedError,
+    _ABORTED: ClusterChangedError,
+    _UNAVAILABLE: PeerError,
+}
+
+
+def from_code(code, message):
+    """The KungFuError for an engine status code (nonzero) and its message."""
+    return _BY_CODE.get(code, EngineError)(message, code=code)
+
+
+def from_tf_error(error):
+    """Converts a tf.errors.OpError raised by a kungfu collective into a KungFuError.
+
+    Use it as `raise kungfu.errors.from_tf_error(e) from e`. Needs no TensorFlow import: it reads the
+    error's `error_code` and `message`.
+    """
+    message = getattr(error, "message", None) or str(error)
+    return from_code(getattr(error, "error_code", 2), message)
+
+
+def is_recoverable(error):
+    """Whether error (a KungFuError or a tf.errors.OpError from a collective) is a recoverable one."""
+    if isinstance(error, KungFuError):
+        return error.recoverable
+    if hasattr(error, "error_code"):
+        return from_tf_error(error).recoverable
+    return False

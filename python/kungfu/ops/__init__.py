@@ -1,0 +1,10 @@
+"""Collective operations on tensors (they import TensorFlow; `import kungfu` alone does not)."""
+
+from .collective import all_gather
+from .collective import all_reduce
+from .collective import barrier
+from .collective import broadcast
+from .collective import consensus
+from .collective import group_all_reduce
+
+__all__ = ["all_reduce", "group_all_reduce", "broadcast", "all_gather", "barrier", "consensus"]

@@ -1,0 +1,95 @@
+"""How a collective gets its key across workers, and the token that lets collectives run together.
+
+Keys. The engine matches a collective on one worker with the same collective on the others by key
+(and by how many times each worker has started that key). A key is the `name` the caller passes,
+or else derived deterministically:
+  - eagerly: "eager/<op>/<n>", n counting this process's eager calls of that op type from 0;
+  - inside tf.function: "<function>/<unique name>", the tf.function's graph name (its Python name)
+    and the op's unique name in that graph, e.g. "train_step/all_reduce_2" or, in a loop body,
+    "train_step/while/all_reduce". Control-flow bodies (while, cond, switch_case) are graphs with
+    uid-suffixed names that depend on trace order, so the key uses the enclosing function's name
+    and the body's unique name, which already carries the loop's or cond's name scope.
+Derived keys agree across workers only while every worker runs the same collectives in the same
+program order: rank-dependent Python control flow (an extra eager collective on rank 0, a
+collective traced only on some ranks) shifts the eager counters or the graph's unique names, and
+the workers then wait on different keys until the timeout. Pass `name=` to such collectives.
+
+Tokens. Every collective op takes a resource input, the token (see kf_ops/collective_ops.cc). TF's
+automatic control dependencies order stateful ops that share a resource tensor and run stateful
+ops with no resource input one after another. Each call gets a fresh token tensor (an IdentityN
+of one hidden variable's handle), so independent collectives are in flight together, and each
+still runs because it is stateful, even when its output is unused.
+
+TF internals relied on (checked by tests/test_ops_naming.py, which fails clearly if an upgrade
+changes them): the class names of control-flow FuncGraphs, FuncGraph.outer_graph, and
+Graph.unique_name.
+"""
+
+import collections
+import threading
+import weakref
+
+import tensorflow as tf
+
+# Graphs TF builds for control-flow bodies; their names carry a process-wide uid.
+CONTROL_FLOW_GRAPHS = frozenset({"WhileCondFuncGraph", "WhileBodyFuncGraph", "CondBranchFuncGraph"})
+
+_lock = threading.Lock()
+_eager_counts = collections.Counter()  # op type -> eager calls so far
+_explicit_names = weakref.WeakKeyDictionary()  # graph -> explicit names used by collectives in it
+_token_variable = None  # created on first use, outside any function
+
+
+def function_graph(graph):
+    """The tf.function graph that graph belongs to, skipping control-flow body graphs."""
+    while type(graph).__name__ in CONTROL_FLOW_GRAPHS and getattr(graph, "outer_graph", None) is not None:
+        graph = graph.outer_graph
+    return graph
+
+
+def collective_key(op, name):
+    """The key of one collective call of type op ("all_reduce", ...); name is the caller's or None."""
+    if name is not None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"{op}: name must be a non-empty string, got {name!r}")
+        if not tf.executing_eagerly():
+            _claim(tf.compat.v1.get_default_graph(), name, op)
+        return name
+    if tf.executing_eagerly():
+        with _lock:
+            n = _eager_counts[op]
+            _eager_counts[op] += 1
+        return f"eager/{op}/{n}"
+    graph = tf.compat.v1.get_default_graph()
+    return f"{function_graph(graph).name}/{graph.unique_name(op)}"
+
+
+def key_tensor(op, name):
+    """collective_key(op, name) as the ops' `key` input: a scalar string tensor."""
+    key = collective_key(op, name)
+    # Eagerly, a tensor (not a str) keeps the op on TF's fast path: about 100 us less per call.
+    return tf.constant(key) if tf.executing_eagerly() else key
+
+
+def _claim(graph, name, op):
+    # Collectives of one graph are in flight together, and two with one key would be matched across
+    # workers in whatever order they happen to start.
+    with _lock:
+        names = _explicit_names.setdefault(graph, set())
+        if name in names:
+            raise ValueError(f"{op}: name {name!r} is already used by another collective in this tf.function; "
+                             "collectives that run together need distinct names")
+        names.add(name)
+
+
+def token():
+    """A fresh ordering token for one collective call."""
+    global _token_variable
+    with _lock:
+        if _token_variable is None:
+            with tf.init_scope(), tf.device("CPU:0"):
+                _token_variable = tf.Variable(0, trainable=False, name="kungfu_token", dtype=tf.int32)
+    handle = _token_variable.handle
+    if tf.executing_eagerly():
+        return handle  # eager ops run one at a time anyway
+    return tf.raw_ops.IdentityN(input=[handle])[0]

@@ -1,0 +1,116 @@
+"""Collective operations: thin wrappers that validate, name and call the kf_ops.
+
+All work eagerly and inside tf.function. `name` is the collective's key across workers; without one a
+key is derived (see kungfu/ops/_naming.py and docs/api.md). Argument errors (a bad reduce op, dtype or
+root) raise ValueError or TypeError here, before any op runs, and calling before kungfu.init() raises
+kungfu.errors.NotInitializedError. A collective that fails while it runs raises the matching
+tf.errors.OpError (InvalidArgumentError when workers disagree, UnavailableError when a peer is gone,
+DeadlineExceededError on timeout); kungfu.errors.from_tf_error converts one.
+"""
+
+import numbers
+
+import tensorflow as tf
+
+from .. import _lib
+from . import _naming
+
+REDUCE_OPS = ("sum", "mean", "min", "max", "prod")
+REDUCE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
+COPY_DTYPES = REDUCE_DTYPES + (tf.uint8, tf.int8, tf.bool)  # broadcast, all_gather, consensus
+
+_no_autograph = tf.autograph.experimental.do_not_convert
+
+
+def _reduce_op(op, what):
+    if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
+        raise ValueError(f"{what}: op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
+    return op.lower()
+
+
+def _tensor(x, dtypes, what):
+    x = tf.convert_to_tensor(x)
+    if x.dtype not in dtypes:
+        raise TypeError(f"{what}: dtype {x.dtype.name} is not supported; use one of "
+                        f"{', '.join(d.name for d in dtypes)}")
+    return x
+
+
+@_no_autograph
+def all_reduce(x, op="sum", name=None):
+    """Reduces x element-wise over all workers; every worker gets the result.
+
+    op: "sum", "mean" (sum / size(); integer dtypes truncate), "min", "max" or "prod".
+    Every worker must pass the same dtype and number of elements.
+    """
+    op = _reduce_op(op, "all_reduce")
+    _lib.require_init("kungfu.all_reduce")
+    x = _tensor(x, REDUCE_DTYPES, "all_reduce")
+    key = _naming.key_tensor("all_reduce", name)
+    return _lib.op_module().kf_all_reduce(x, key, _naming.token(), reduce_op=op)
+
+
+@_no_autograph
+def group_all_reduce(xs, op="sum", name=None, fusion_bytes=None):
+    """all_reduce of every tensor in the list xs, as one op; returns a list in the same order.
+
+    Tensors smaller than fusion_bytes (default 4 MiB) are packed per dtype into buckets of at most
+    that size, one network collective per bucket; larger tensors are reduced alone, in place. The
+    buckets and the large tensors are all in flight together. Dtypes may differ within the list.
+    """
+    op = _reduce_op(op, "group_all_reduce")
+    _lib.require_init("kungfu.group_all_reduce")
+    if not isinstance(xs, (list, tuple)):
+        raise TypeError(f"group_all_reduce: xs must be a list or tuple of tensors, got {type(xs).__name__}")
+    if fusion_bytes is not None and (not isinstance(fusion_bytes, int) or fusion_bytes < 0):
+        raise ValueError(f"group_all_reduce: fusion_bytes must be an int >= 0, got {fusion_bytes!r}")
+    xs = [_tensor(x, REDUCE_DTYPES, "group_all_reduce") for x in xs]
+    if not xs:
+        return []
+    key = _naming.key_tensor("group_all_reduce", name)
+    extra = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}
+    return list(_lib.op_module().kf_group_all_reduce(xs, key, _naming.token(), reduce_op=op, **extra))
+
+
+@_no_autograph
+def broadcast(x, root=0, name=None):
+    """Every worker gets root's x. Every worker must pass the same dtype and number of elements."""
+    _lib.require_init("kungfu.broadcast")
+    size = _lib.size()
+    if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= root < size:
+        raise ValueError(f"broadcast: root must be a rank in [0, {size}), got {root!r}")
+    root = int(root)
+    x = _tensor(x, COPY_DTYPES, "broadcast")
+    key = _naming.key_tensor("broadcast", name)
+    return _lib.op_module().kf_broadcast(x, key, _naming.token(), root=root)
+
+
+@_no_autograph
+def all_gather(x, name=None):
+    """Concatenates every worker's x along the first dimension, in rank order.
+
+    The first dimension may differ between workers; the other dimensions and the dtype must agree
+    (otherwise every worker raises InvalidArgumentError). A scalar counts as a one-element vector,
+    so gathering scalars gives a vector of size() elements.
+    """
+    _lib.require_init("kungfu.all_gather")
+    x = _tensor(x, COPY_DTYPES, "all_gather")
+    key = _naming.key_tensor("all_gather", name)
+    return _lib.op_module().kf_all_gather(x, key, _naming.token())
+
+
+@_no_autograph
+def barrier(name=None):
+    """Waits until every worker has reached this barrier. Returns None eagerly, the op in a graph."""
+    _lib.require_init("kungfu.barrier")
+    key = _naming.key_tensor("barrier", name)
+    return _lib.op_module().kf_barrier(key, _naming.token())
+
+
+@_no_autograph
+def consensus(x, name=None):
+    """A scalar bool tensor: whether every worker passed an x of the same dtype, shape and bytes."""
+    _lib.require_init("kungfu.consensus")
+    x = _tensor(x, COPY_DTYPES, "consensus")
+    key = _naming.key_tensor("consensus", name)
+    return _lib.op_module().kf_consensus(x, key, _naming.token())
