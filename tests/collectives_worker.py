@@ -1,0 +1,393 @@
+"""The worker of test_collectives_mp.py, started N times by kfrun. Not a test module itself.
+
+    python -m kungfu.launcher -np N -- python tests/collectives_worker.py checks
+    python -m kungfu.launcher -np 3 -- python tests/collectives_worker.py kill
+
+`checks` runs every multi-worker check in one process (TF costs seconds and 600 MB per process, so
+one launch per np, not per case) and prints one line per check: "KFCHECK <name> OK <seconds>" or
+"KFCHECK <name> FAIL <reason>", then "KFDONE". Every worker can compute every rank's input, so
+each checks exact values on its own. `kill` makes the last rank SIGKILL itself in the middle of a
+collective and prints how the others saw it: "KFKILL <json>".
+"""
+
+import os
+
+if os.environ.get("KF_TEST_PID_DIR"):  # first thing, so the test can kill this process on every path
+    open(os.path.join(os.environ["KF_TEST_PID_DIR"], str(os.getpid())), "w").close()
+
+import json  # noqa: E402 (after the pid file on purpose)
+import signal  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+import traceback  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kungfu  # noqa: E402
+from kungfu import _lib  # noqa: E402
+
+REDUCE_DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64]
+COPY_DTYPES = REDUCE_DTYPES + [tf.uint8, tf.int8, tf.bool]
+REDUCE_OPS = ["sum", "mean", "min", "max", "prod"]
+BIG = 1000003
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def data(rank, shape, dtype, op="sum", salt=0):
+    """Rank rank's input: small integers, so every reduction is exact in every dtype."""
+    n = int(np.prod(shape))
+    i = np.arange(n, dtype=np.int64) + salt
+    if op == "prod":
+        v = np.array([1, -1, 2, -2, 1, 1, -1])[(i * 3 + rank) % 7]  # |product of 4| <= 16
+    else:
+        v = (i * 7 + rank * 3) % 11 - 5
+    if dtype == tf.bool:
+        return (v > 0).reshape(shape)
+    if dtype == tf.uint8:
+        v = v + 5
+    return v.reshape(shape).astype(dtype.as_numpy_dtype)
+
+
+def expected_reduce(shape, dtype, op, size, salt=0):
+    xs = np.stack([data(r, shape, dtype, op, salt).astype(np.float64) for r in range(size)])
+    np_dtype = dtype.as_numpy_dtype
+    if op == "sum":
+        return xs.sum(0).astype(np_dtype)
+    if op == "prod":
+        return xs.prod(0).astype(np_dtype)
+    if op == "min":
+        return xs.min(0).astype(np_dtype)
+    if op == "max":
+        return xs.max(0).astype(np_dtype)
+    total = xs.sum(0)
+    if dtype.is_integer:  # the engine truncates toward zero, as C++ does
+        return (np.sign(total) * (np.abs(total) // size)).astype(np_dtype)
+    if dtype == tf.float64:
+        return total / size
+    return (total.astype(np.float32) / np.float32(size)).astype(np_dtype)  # half types divide in float32
+
+
+def assert_equal(got, want, what):
+    got = np.asarray(got)
+    want = np.asarray(want)
+    if got.shape != want.shape:
+        raise AssertionError(f"{what}: shape {got.shape}, want {want.shape}")
+    if got.dtype != want.dtype:
+        raise AssertionError(f"{what}: dtype {got.dtype}, want {want.dtype}")
+    g, w = got.astype(np.float64), want.astype(np.float64)
+    bad = np.flatnonzero(g.ravel() != w.ravel())
+    if bad.size:
+        i = bad[0]
+        raise AssertionError(f"{what}: {bad.size} elements differ, first at {i}: {g.ravel()[i]} != {w.ravel()[i]}")
+
+
+def matrix():
+    """(dtype, op, shape) of the all-reduce value checks."""
+    for dtype in REDUCE_DTYPES:
+        for op in REDUCE_OPS:
+            for shape in [[0], [1], [7], [3, 5], [BIG]]:
+                yield dtype, op, shape
+
+
+@check
+def all_reduce_values_eager():
+    rank, size = kungfu.rank(), kungfu.size()
+    for dtype, op, shape in matrix():
+        y = kungfu.all_reduce(data(rank, shape, dtype, op), op=op)
+        assert_equal(y, expected_reduce(shape, dtype, op, size), f"{dtype.name} {op} {shape}")
+
+
+@check
+def all_reduce_values_in_one_function():
+    rank, size = kungfu.rank(), kungfu.size()
+    cases = [c for c in matrix() if c[2] != [BIG] or c[0] == tf.float32]
+    inputs = [tf.constant(data(rank, shape, dtype, op)) for dtype, op, shape in cases]
+
+    @tf.function
+    def f(xs):  # every all-reduce of the matrix in flight at once
+        return [kungfu.all_reduce(x, op=op) for x, (_, op, _) in zip(xs, cases)]
+
+    for _ in range(2):  # the second call reuses the graph: the keys' second generation
+        for y, (dtype, op, shape) in zip(f(inputs), cases):
+            assert_equal(y, expected_reduce(shape, dtype, op, size), f"{dtype.name} {op} {shape}")
+
+
+@check
+def group_all_reduce_values():
+    rank, size = kungfu.rank(), kungfu.size()
+    specs = [([5], tf.float32), ([3, 2], tf.int32), ([0], tf.float16), ([BIG], tf.float32), ([], tf.float64),
+             ([40], tf.bfloat16), ([7], tf.int64), ([300000], tf.float16), ([9], tf.float32)]
+    for op in ["sum", "mean", "max"]:
+        xs = [data(rank, s, d, op, salt=k) for k, (s, d) in enumerate(specs)]
+        for fusion_bytes in [None, 64, 0]:
+            ys = kungfu.group_all_reduce(xs, op=op, fusion_bytes=fusion_bytes)
+            for k, ((s, d), y) in enumerate(zip(specs, ys)):
+                assert_equal(y, expected_reduce(s, d, op, size, salt=k), f"{op} fusion={fusion_bytes} #{k}")
+
+
+@check
+def broadcast_from_every_root():
+    rank, size = kungfu.rank(), kungfu.size()
+    for root in range(size):
+        for dtype in COPY_DTYPES:
+            for shape in [[0], [7], [2, 3]] + ([[BIG]] if dtype == tf.float32 else []):
+                y = kungfu.broadcast(data(rank, shape, dtype), root=root)
+                assert_equal(y, data(root, shape, dtype), f"root {root} {dtype.name} {shape}")
+
+    @tf.function
+    def f(x):
+        return [kungfu.broadcast(x, root=r) for r in range(size)]
+
+    for root, y in enumerate(f(data(rank, [4], tf.int64))):
+        assert_equal(y, data(root, [4], tf.int64), f"in function, root {root}")
+
+
+ROWS = [2, 0, 3, 1]  # rows of rank r: ROWS[r % 4], so some worker has none from np 2 on
+
+
+@check
+def all_gather_differing_first_dims():
+    rank, size = kungfu.rank(), kungfu.size()
+    for dtype in COPY_DTYPES:
+        y = kungfu.all_gather(data(rank, [ROWS[rank % 4], 3], dtype))
+        want = np.concatenate([data(r, [ROWS[r % 4], 3], dtype) for r in range(size)])
+        assert_equal(y, want, f"{dtype.name} rows {ROWS[:size]}")
+    big = [BIG // 3 + r for r in range(size)]
+    y = kungfu.all_gather(data(rank, [big[rank]], tf.float32))
+    assert_equal(y, np.concatenate([data(r, [big[r]], tf.float32) for r in range(size)]), "big")
+    assert_equal(kungfu.all_gather(np.int32(rank * 10)), np.arange(size, dtype=np.int32) * 10, "scalars")
+
+    @tf.function
+    def f(x):
+        return kungfu.all_gather(x)
+
+    y = f(tf.constant(data(rank, [ROWS[rank % 4], 2, 2], tf.float64)))
+    assert_equal(y, np.concatenate([data(r, [ROWS[r % 4], 2, 2], tf.float64) for r in range(size)]), "in function")
+
+
+@check
+def barrier_and_consensus():
+    rank, size = kungfu.rank(), kungfu.size()
+    kungfu.barrier()
+    same = data(0, [6], tf.float32)
+    assert bool(kungfu.consensus(same)), "identical inputs"
+    assert bool(kungfu.consensus(tf.zeros([0], tf.int8))), "empty inputs"
+    differs = data(min(rank, 1), [6], tf.float32)
+    assert bool(kungfu.consensus(differs)) == (size == 1), "rank 1's input differs"
+    shaped = np.zeros([2, 3] if rank == 0 else [3, 2], np.int32)
+    assert bool(kungfu.consensus(shaped)) == (size == 1), "same bytes, other shape"
+    typed = np.zeros([4], np.int32 if rank == 0 else np.float32)
+    assert bool(kungfu.consensus(typed)) == (size == 1), "same bytes, other dtype"
+
+    @tf.function
+    def f(x):
+        kungfu.barrier()
+        return kungfu.consensus(x), kungfu.consensus(x + tf.cast(kungfu.rank(), tf.float32))
+
+    a, b = f(tf.constant(same))
+    assert bool(a) and bool(b) == (size == 1), "in function"
+
+
+def invalid_argument_problem(fn, *words):
+    """None when fn raises InvalidArgumentError whose message has every word; else what went wrong."""
+    try:
+        fn()
+    except tf.errors.InvalidArgumentError as e:
+        missing = [w for w in words if w not in e.message]
+        return f"message lacks {missing}: {e.message}" if missing else None
+    except tf.errors.OpError as e:
+        return f"{type(e).__name__} instead of InvalidArgumentError: {e.message}"
+    return "no error"
+
+
+@check
+def mismatches_fail_on_every_worker():
+    rank, size = kungfu.rank(), kungfu.size()
+    if size == 1:
+        return
+    odd = rank == 1  # rank 1 disagrees with the others
+
+    @tf.function
+    def group(x):
+        return kungfu.group_all_reduce([x, x], name="mm/group")
+
+    cases = {  # every rank runs every case, whatever happened in the previous ones
+        "all_reduce count": (lambda: kungfu.all_reduce(np.zeros([5 if odd else 4], np.float32), name="mm/count"),
+                             ["mm/count"]),
+        "all_reduce dtype": (lambda: kungfu.all_reduce(np.zeros([4], np.float64 if odd else np.float32),
+                                                       name="mm/dtype"), ["mm/dtype"]),
+        "all_gather dims": (lambda: kungfu.all_gather(np.zeros([2, 4 if odd else 3], np.float32), name="mm/ag"),
+                            ["mm/ag", "rank 1 has float[2,4]"]),
+        "all_gather dtype": (lambda: kungfu.all_gather(np.zeros([2], np.int64 if odd else np.int32),
+                                                       name="mm/agtype"), ["int64"]),
+        "group in function": (lambda: group(tf.zeros([3 if odd else 2])), ["mm/group"]),
+        "broadcast count": (lambda: kungfu.broadcast(np.zeros([3 if odd else 2], np.int32), name="mm/bcast"),
+                            ["mm/bcast"]),
+    }
+    problems = []
+    for what, (fn, words) in cases.items():
+        problem = invalid_argument_problem(fn, *words)
+        if problem:
+            problems.append(f"{what} on rank {rank}: {problem}")
+        kungfu.barrier(name=f"mm/after/{what}")
+    assert_equal(kungfu.all_reduce(np.ones([3], np.float32), name="mm/after"), np.full([3], size, np.float32),
+                 "a collective after the mismatches")
+    if problems:
+        raise AssertionError("; ".join(problems))
+
+
+@check
+def rank_dependent_order_in_one_function():
+    rank, size = kungfu.rank(), kungfu.size()
+    order = np.random.RandomState(rank + 1).permutation(20)
+    xs = [tf.constant(data(rank, [k + 1], tf.float32, salt=k)) for k in range(20)]
+
+    @tf.function
+    def f(xs):
+        out = [None] * 20
+        for k in order:  # traced in a different order on every rank
+            kind = k % 4
+            if kind == 0:
+                out[k] = kungfu.all_reduce(xs[k], name=f"perm/{k}")
+            elif kind == 1:
+                out[k] = kungfu.broadcast(xs[k], root=k % size, name=f"perm/{k}")
+            elif kind == 2:
+                out[k] = kungfu.all_gather(xs[k], name=f"perm/{k}")
+            else:
+                out[k] = tf.cast(kungfu.consensus(xs[k], name=f"perm/{k}"), tf.float32)
+        return out
+
+    for _ in range(2):
+        for k, y in enumerate(f(xs)):
+            kind, shape = k % 4, [k + 1]
+            if kind == 0:
+                want = expected_reduce(shape, tf.float32, "sum", size, salt=k)
+            elif kind == 1:
+                want = data(k % size, shape, tf.float32, salt=k)
+            elif kind == 2:
+                want = np.concatenate([data(r, shape, tf.float32, salt=k) for r in range(size)])
+            else:
+                want = np.float32(size == 1)
+            assert_equal(y, want, f"perm/{k}")
+
+
+def late_start(fn, *args):
+    """Runs fn with the last rank 0.5 s late, so the others' collectives wait in flight meanwhile."""
+    kungfu.barrier()
+    _lib.reset_engine_stats()
+    if kungfu.rank() == kungfu.size() - 1:
+        time.sleep(0.5)
+    result = fn(*args)
+    return result, _lib.engine_stats()
+
+
+@check
+def independent_collectives_run_together():
+    rank, size = kungfu.rank(), kungfu.size()
+    if size == 1:
+        return  # at size 1 a collective completes at once: nothing to overlap
+
+    @tf.function
+    def eight(x):
+        return [kungfu.all_reduce(x * i) for i in range(8)]
+
+    @tf.function
+    def mixed(x):
+        kungfu.barrier()
+        # Every collective waits for the late rank (the broadcast has it as root).
+        return (kungfu.all_reduce(x), kungfu.broadcast(x, root=kungfu.size() - 1), kungfu.consensus(x),
+                kungfu.group_all_reduce([x, x]))
+
+    x = tf.ones([1000])
+    ys, stats = late_start(eight, x)
+    for i, y in enumerate(ys):
+        assert_equal(y, np.full([1000], i * size, np.float32), f"eight #{i}")
+    if rank != size - 1 and stats["max_in_flight"] < 8:
+        raise AssertionError(f"8 independent all-reduces: max_in_flight {stats['max_in_flight']} < 8; they ran "
+                             f"one after another ({stats})")
+    _, stats = late_start(mixed, x)
+    if rank != size - 1 and stats["max_in_flight"] < 5:
+        raise AssertionError(f"5 independent collectives of 4 kinds: max_in_flight {stats['max_in_flight']} < 5")
+
+
+@check
+def unused_and_identical_collectives_run():
+    size = kungfu.size()
+
+    @tf.function
+    def unused(x):
+        kungfu.all_reduce(x)  # the result is dropped
+        return tf.constant(0)
+
+    @tf.function
+    def identical(x):
+        return kungfu.all_reduce(x) + kungfu.all_reduce(x)
+
+    before = _lib.engine_stats()
+    unused(tf.ones([4]))
+    after = _lib.engine_stats()
+    assert after["started"] - before["started"] == 1, f"unused: started {before} -> {after}"
+    assert after["completed"] - before["completed"] == 1, f"unused: completed {before} -> {after}"
+    assert_equal(identical(tf.ones([4])), np.full([4], 2 * size, np.float32), "identical")
+    assert _lib.engine_stats()["started"] - after["started"] == 2, "identical: both calls started"
+
+
+def run_checks():
+    rank = kungfu.rank()
+    failed = 0
+    for fn in CHECKS:
+        start = time.perf_counter()
+        try:
+            fn()
+            print(f"KFCHECK {fn.__name__} OK {time.perf_counter() - start:.2f}", flush=True)
+        except Exception as e:  # report and go on: the other ranks run the same checks
+            failed += 1
+            reason = f"{type(e).__name__}: {e}".replace("\n", " | ")[:2000]
+            print(f"KFCHECK {fn.__name__} FAIL {reason}", flush=True)
+            traceback.print_exc()
+        kungfu.barrier(name=f"after/{fn.__name__}")  # keep the ranks in step between checks
+    print(f"KFDONE rank={rank} failed={failed}", flush=True)
+    return failed
+
+
+def run_kill():
+    """The last rank dies with SIGKILL while every rank is inside one all-reduce."""
+    rank, size = kungfu.rank(), kungfu.size()
+    victim = size - 1
+    x = tf.ones([16 << 20])  # 64 MB: far too much to finish before the victim dies
+    kungfu.barrier(name="before-kill")
+    if rank == victim:
+        threading.Thread(target=lambda: kungfu.all_reduce(x, name="victim"), daemon=True).start()
+        time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    in_function = tf.function(lambda x: kungfu.all_reduce(x, name="in-function"))
+    steps = {"victim": lambda: kungfu.all_reduce(x, name="victim"), "after": lambda: kungfu.all_reduce(x, name="after"),
+             "in-function": lambda: in_function(x)}
+    report = {"rank": rank}
+    for step, fn in steps.items():
+        start = time.perf_counter()
+        try:
+            fn()
+            report[step] = {"error": None}
+        except tf.errors.OpError as e:
+            report[step] = {"error": type(e).__name__, "message": e.message.splitlines()[0]}
+        report[step]["seconds"] = round(time.perf_counter() - start, 3)
+    print("KFKILL " + json.dumps(report), flush=True)
+
+
+def main():
+    kungfu.init()
+    if sys.argv[1] == "checks":
+        sys.exit(1 if run_checks() else 0)
+    run_kill()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""Collective keys: the derived names, and the TF internals the derivation relies on.
+
+If a TensorFlow upgrade renames the control-flow graph classes or changes how unique names are
+scoped inside loop and cond bodies, test_keys_do_not_depend_on_trace_order fails here first, with
+the keys it saw; see kungfu/ops/_naming.py.
+"""
+
+import pytest
+import tensorflow as tf
+
+from conftest import library_missing_reason
+
+import kungfu
+from kungfu.ops import _naming
+
+pytestmark = pytest.mark.skipif(library_missing_reason() is not None, reason=str(library_missing_reason()))
+
+KF_OPS = {"KfAllReduce", "KfGroupAllReduce", "KfBroadcast", "KfAllGather", "KfBarrier", "KfConsensus"}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def initialized():
+    kungfu.init()
+
+
+def keys_of(concrete):
+    """Every collective key in a concrete function, its loop and cond bodies included, sorted."""
+    graph_def = concrete.graph.as_graph_def()
+    keys = []
+    for nodes in [graph_def.node] + [fn.node_def for fn in graph_def.library.function]:
+        by_name = {n.name: n for n in nodes}
+        for n in nodes:
+            if n.op in KF_OPS:
+                data_inputs = [i for i in n.input if not i.startswith("^")]
+                const = by_name[data_inputs[-2].split(":")[0]]  # the key: second-to-last input, a Const
+                keys.append(const.attr["value"].tensor.string_val[0].decode())
+    return sorted(keys)
+
+
+def test_eager_keys_count_per_op_type():
+    start = _naming._eager_counts["all_reduce"]
+    assert _naming.collective_key("all_reduce", None) == f"eager/all_reduce/{start}"
+    assert _naming.collective_key("all_reduce", None) == f"eager/all_reduce/{start + 1}"
+    assert _naming.collective_key("barrier", None).startswith("eager/barrier/")
+    assert _naming.collective_key("all_reduce", "grads/w") == "grads/w"
+
+
+def test_function_keys():
+    @tf.function
+    def train_step(x):
+        a = kungfu.all_reduce(x)
+        b = kungfu.all_reduce(x, name="loss")
+        with tf.name_scope("metrics"):
+            c = kungfu.all_reduce(x)
+        kungfu.barrier()
+        return a + b + c + kungfu.all_gather(x)
+
+    keys = keys_of(train_step.get_concrete_function(tf.TensorSpec([2])))
+    assert keys == ["loss", "train_step/all_gather", "train_step/all_reduce", "train_step/barrier",
+                    "train_step/metrics/all_reduce"]
+
+
+def _with_control_flow():
+
+    @tf.function
+    def step_fn(x):
+        def body(i, x):
+            return i + 1, kungfu.all_reduce(x)
+
+        _, y = tf.while_loop(lambda i, x: i < 2, body, [0, x])
+        z = tf.cond(tf.reduce_sum(x) > 0, lambda: kungfu.broadcast(x), lambda: kungfu.broadcast(-x))
+        return y + z
+
+    return step_fn
+
+
+def test_keys_do_not_depend_on_trace_order():
+    first = keys_of(_with_control_flow().get_concrete_function(tf.TensorSpec([2])))
+    # Trace other control flow in between: it advances TF's process-wide graph uids.
+    for _ in range(3):
+        _with_control_flow().get_concrete_function(tf.TensorSpec([5]))
+    second = keys_of(_with_control_flow().get_concrete_function(tf.TensorSpec([2])))
+    assert first == second
+    assert first == ["step_fn/cond/broadcast", "step_fn/cond/broadcast", "step_fn/while/all_reduce"], (
+        "derived keys changed; has TF renamed its control-flow graph classes "
+        f"({sorted(_naming.CONTROL_FLOW_GRAPHS)}) or their name scoping?")
+
+
+def test_control_flow_graph_classes_exist():
+    seen = set()
+
+    @tf.function
+    def f(x):
+        def body(i):
+            seen.add(type(tf.compat.v1.get_default_graph()).__name__)
+            return i + 1
+
+        def branch():
+            seen.add(type(tf.compat.v1.get_default_graph()).__name__)
+            return x
+
+        tf.while_loop(lambda i: i < 2, body, [0])
+        return tf.cond(x > 0, branch, branch)
+
+    f.get_concrete_function(tf.TensorSpec([]))
+    assert seen <= _naming.CONTROL_FLOW_GRAPHS, f"TF's control-flow graphs are now {seen}"
+    assert {"WhileBodyFuncGraph", "CondBranchFuncGraph"} <= seen
+
+
+def test_nested_function_keys_use_inner_function_name():
+    @tf.function
+    def inner(x):
+        return kungfu.all_reduce(x)
+
+    @tf.function
+    def outer(x):
+        return inner(x) + kungfu.all_reduce(x)
+
+    assert keys_of(outer.get_concrete_function(tf.TensorSpec([2]))) == ["inner/all_reduce", "outer/all_reduce"]
