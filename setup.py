@@ -29,13 +29,16 @@ def library_sources():
     return sorted(path for pattern in SOURCE_GLOBS for path in glob.glob(pattern, root_dir=ROOT))
 
 
+def _read(path):
+    with open(path) as f:
+        return f.read()
+
+
 def _needs_compile(obj, dep_file):
     """True unless obj is newer than every file its .d file lists (source and headers)."""
     if not (os.path.exists(obj) and os.path.exists(dep_file)):
         return True
-    with open(dep_file) as f:
-        text = f.read().replace("\\\n", " ")
-    deps = text.partition(":")[2].split()
+    deps = _read(dep_file).replace("\\\n", " ").partition(":")[2].split()
     obj_time = os.path.getmtime(obj)
     return any(not os.path.exists(d) or os.path.getmtime(d) > obj_time for d in deps)
 
@@ -54,7 +57,7 @@ class BuildKungfu(build_ext):
         os.makedirs(obj_dir, exist_ok=True)
         # Objects built with other flags are removed, so a failed build leaves none behind.
         flags_file, flags_text = os.path.join(obj_dir, "cflags.txt"), shlex.join(cxx + cflags)
-        same_flags = os.path.exists(flags_file) and open(flags_file).read() == flags_text
+        same_flags = os.path.exists(flags_file) and _read(flags_file) == flags_text
 
         jobs, objects = [], []
         for src in ext.sources:
