@@ -58,12 +58,23 @@ Status Engine::Impl::ConnectToPeers() {
   for (int p = 0; p < config_.peers.size(); ++p) {
     if (p == config_.rank) continue;
     const std::string who = "connecting to peer " + config_.peers.Describe(p);
-    auto fd = ConnectWithRetry(config_.peers.at(p), deadline);
-    if (!fd.ok()) return fd.status().WithContext(who);
-    RETURN_IF_ERROR(ClientHandshake(fd->get(), hs_, config_.rank, self, deadline).WithContext(who));
-    TuneDataSocket(fd->get());
-    RETURN_IF_ERROR(SetNonBlocking(fd->get(), true));
-    auto shared = std::make_shared<Fd>(std::move(fd.value()));
+    // A refused handshake is retried until the deadline too: the port may briefly belong to a
+    // process of another job (with another token) before our peer binds it.
+    Fd conn;
+    Status refused;  // the last refusal: what to report if the deadline passes
+    for (;;) {
+      auto fd = ConnectWithRetry(config_.peers.at(p), deadline);
+      if (!fd.ok()) return (refused.ok() ? fd.status() : refused).WithContext(who);
+      conn = std::move(fd.value());
+      Status hs = ClientHandshake(conn.get(), hs_, config_.rank, self, deadline);
+      if (hs.ok()) break;
+      if (hs.code() == Code::kPermissionDenied) refused = hs;
+      if (Clock::now() + std::chrono::milliseconds(200) >= deadline) return (refused.ok() ? hs : refused).WithContext(who);
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    TuneDataSocket(conn.get());
+    RETURN_IF_ERROR(SetNonBlocking(conn.get(), true));
+    auto shared = std::make_shared<Fd>(std::move(conn));
     loop_.Post([this, shared, p] { AddConnection(std::move(*shared), p, true); });
   }
   return Status::OK();
@@ -180,17 +191,22 @@ EngineStats Engine::stats() const { return impl_->stats(); }
 void Engine::ResetStats() { impl_->ResetStats(); }
 
 void Engine::AllReduce(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name,
-                       DoneCallback done) {
+                       DoneCallback done, uint32_t shape_sig) {
   const int64_t bytes = count * static_cast<int64_t>(DTypeSize(dtype));
   const bool ring = size() > 1 && bytes >= impl_->config().ring_threshold_bytes && count >= size();
-  impl_->Submit(ring ? NewAllReduceRing(in, out, count, dtype, op, name, std::move(done))
-                     : NewAllReduceStar(in, out, count, dtype, op, name, std::move(done)));
+  auto o = ring ? NewAllReduceRing(in, out, count, dtype, op, name, std::move(done))
+                : NewAllReduceStar(in, out, count, dtype, op, name, std::move(done));
+  o->shape_sig = shape_sig;
+  impl_->Submit(std::move(o));
 }
 
-void Engine::Broadcast(void* buf, int64_t count, DType dtype, int root, const std::string& name, DoneCallback done) {
+void Engine::Broadcast(void* buf, int64_t count, DType dtype, int root, const std::string& name, DoneCallback done,
+                       uint32_t shape_sig) {
   const int64_t bytes = count * static_cast<int64_t>(DTypeSize(dtype));
   const bool chain = size() > 2 && bytes >= impl_->config().ring_threshold_bytes;
-  impl_->Submit(NewBroadcast(buf, count, dtype, root, chain, name, std::move(done)));
+  auto o = NewBroadcast(buf, count, dtype, root, chain, name, std::move(done));
+  o->shape_sig = shape_sig;
+  impl_->Submit(std::move(o));
 }
 
 void Engine::AllGather(const void* in, void* out, const std::vector<int64_t>& counts, DType dtype,
@@ -199,7 +215,8 @@ void Engine::AllGather(const void* in, void* out, const std::vector<int64_t>& co
 }
 
 void Engine::Barrier(const std::string& name, DoneCallback done) {
-  impl_->Submit(NewAllReduceStar(nullptr, nullptr, 0, DType::kUInt8, ReduceOp::kMax, name, std::move(done)));
+  impl_->Submit(
+      NewAllReduceStar(nullptr, nullptr, 0, DType::kUInt8, ReduceOp::kMax, name, std::move(done), "barrier"));
 }
 
 void Engine::Consensus(const void* data, int64_t nbytes, bool* same, const std::string& name, DoneCallback done) {
@@ -220,7 +237,7 @@ void Engine::Consensus(const void* data, int64_t nbytes, bool* same, const std::
     done(s);
   };
   impl_->Submit(NewAllReduceStar(buf->data(), buf->data(), 2 * kLen, DType::kUInt8, ReduceOp::kMax, name,
-                                 std::move(wrapped)));
+                                 std::move(wrapped), "consensus"));
 }
 
 Status Engine::AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,

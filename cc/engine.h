@@ -65,10 +65,14 @@ class Engine {
   const EngineConfig& config() const;
 
   // out = reduce(in over workers). in == out is allowed. kMean divides by size().
+  // shape_sig, when nonzero, is a hash of the caller's tensor shape: workers whose element counts
+  // agree but whose shapes differ ([2,3] against [6]) then fail with InvalidArgument too.
   void AllReduce(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name,
-                 DoneCallback done);
-  // buf on root is sent; on the others it is overwritten.
-  void Broadcast(void* buf, int64_t count, DType dtype, int root, const std::string& name, DoneCallback done);
+                 DoneCallback done, uint32_t shape_sig = 0);
+  // buf on root is sent; on the others it is overwritten. Every worker finishes only once every
+  // worker has the data (the root commits), so a mismatch anywhere fails the broadcast everywhere.
+  void Broadcast(void* buf, int64_t count, DType dtype, int root, const std::string& name, DoneCallback done,
+                 uint32_t shape_sig = 0);
   // Worker r contributes counts[r] elements; out holds sum(counts) elements in rank order.
   // Every worker must pass the same counts (checked).
   void AllGather(const void* in, void* out, const std::vector<int64_t>& counts, DType dtype, const std::string& name,

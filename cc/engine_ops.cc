@@ -53,6 +53,12 @@ void Engine::Impl::StartOp(std::unique_ptr<Op> op) {
 void Engine::Impl::Dispatch(ActiveOp& a, int src, const FrameHeader& h, const char* data) {
   Op* op = a.op.get();
   const uint64_t id = op->id;
+  if (h.kind != FrameKind::kAbort && h.shape_sig != op->shape_sig) {
+    return Fail(id,
+                InvalidArgument("peer " + config_.peers.Describe(src) +
+                                " passed a tensor of another shape with the same number of elements"),
+                true);
+  }
   Status s;
   switch (h.kind) {
     case FrameKind::kData:
@@ -142,6 +148,7 @@ void Engine::Impl::Send(Op* op, int dst, FrameHeader h, const void* data) {
   if (out_[dst]->broken()) return;  // the op fails through OnConnectionError
   h.generation = op->generation;
   h.cluster_version = config_.peers.version();
+  h.shape_sig = op->shape_sig;
   out_[dst]->Enqueue(h, op->name(), data, op->id);
   ++op->outstanding_sends;
   stats_.bytes_sent += static_cast<int64_t>(h.payload_bytes);

@@ -30,7 +30,7 @@ const char* AlgoName(Algo a) {
 }
 
 // Layout: magic u32 @0, version u16 @4, kind u8 @6, dtype u8 @7, algo u8 @8, (pad) @9..11,
-// aux u32 @12, cluster_version u32 @16, name_len u32 @20, tag u32 @24, (pad) @28,
+// aux u32 @12, cluster_version u32 @16, name_len u32 @20, tag u32 @24, shape_sig u32 @28,
 // generation u64 @32, count i64 @40, offset i64 @48, payload_bytes u64 @56.
 void EncodeFrameHeader(const FrameHeader& h, uint32_t name_len, uint8_t* out) {
   std::memset(out, 0, kFrameHeaderSize);
@@ -43,6 +43,7 @@ void EncodeFrameHeader(const FrameHeader& h, uint32_t name_len, uint8_t* out) {
   Put<uint32_t>(out, 16, h.cluster_version);
   Put<uint32_t>(out, 20, name_len);
   Put<uint32_t>(out, 24, h.tag);
+  Put<uint32_t>(out, 28, h.shape_sig);
   Put<uint64_t>(out, 32, h.generation);
   Put<int64_t>(out, 40, h.count);
   Put<int64_t>(out, 48, h.offset);
@@ -67,6 +68,7 @@ Status DecodeFrameHeader(const uint8_t* in, FrameHeader* h, uint32_t* name_len) 
   h->cluster_version = Get<uint32_t>(in, 16);
   *name_len = Get<uint32_t>(in, 20);
   h->tag = Get<uint32_t>(in, 24);
+  h->shape_sig = Get<uint32_t>(in, 28);
   h->generation = Get<uint64_t>(in, 32);
   h->count = Get<int64_t>(in, 40);
   h->offset = Get<int64_t>(in, 48);

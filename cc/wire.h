@@ -39,6 +39,7 @@ struct FrameHeader {
   uint32_t aux = 0;              // reduce op (allreduce), root (broadcast), own count check (allgather)
   uint32_t cluster_version = 0;  // membership version the sender works under
   uint32_t tag = 0;              // algorithm step
+  uint32_t shape_sig = 0;        // hash of the sender's tensor shape (0: not checked)
   uint64_t generation = 0;       // how many times the sender had started this name before
   int64_t count = 0;             // the sender's element count for the whole collective
   int64_t offset = 0;            // element offset of this payload within the collective

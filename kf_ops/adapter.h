@@ -40,6 +40,12 @@ struct BufferView {
 };
 absl::Status ViewOf(const Tensor& t, BufferView* out);
 
+// A nonzero hash of a shape, carried in every frame so workers whose tensors have equal element
+// counts but different shapes ([2,3] against [6]) fail with InvalidArgument.
+uint32_t ShapeSignature(const tensorflow::TensorShape& shape);
+// Combines signatures in order (a fused bucket's members).
+uint32_t CombineSignatures(uint32_t a, uint32_t b);
+
 // The collective's key: the scalar string input before the token (the last input of every op).
 absl::Status KeyOf(OpKernelContext* ctx, std::string* key);
 

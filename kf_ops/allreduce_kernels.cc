@@ -42,7 +42,7 @@ class AllReduceOp : public AsyncOpKernel {
     if (!engine) return;
     auto keep = std::make_shared<Tensor>(in);
     engine->AllReduce(view.data, const_cast<char*>(out->tensor_data().data()), view.count, view.dtype, op_, key,
-                      FinishKernel(ctx, std::move(done), nullptr, keep));
+                      FinishKernel(ctx, std::move(done), nullptr, keep), ShapeSignature(in.shape()));
   }
 
  private:
@@ -113,7 +113,8 @@ class GroupAllReduceOp : public AsyncOpKernel {
       if (!part.packed) {
         const int i = part.tensors[0];
         engine->AllReduce(ins[i].data, const_cast<char*>(outs[i]->tensor_data().data()), part.count, part.dtype, op_,
-                          key + "/" + std::to_string(i), PartCallback(ctx, group, inputs, nullptr));
+                          key + "/" + std::to_string(i), PartCallback(ctx, group, inputs, nullptr),
+                          ShapeSignature(ctx->input(i).shape()));
       } else {
         StartBucket(ctx, engine.get(), part, key + "/bucket" + std::to_string(p), ins, outs, bytes, group, inputs);
       }
@@ -131,7 +132,9 @@ class GroupAllReduceOp : public AsyncOpKernel {
     auto buffer = std::make_shared<std::vector<char>>(static_cast<size_t>(total));
     std::vector<std::pair<char*, int64_t>> pieces;  // output and byte length, in bucket order
     int64_t offset = 0;
+    uint32_t sig = 1;  // over the members' shapes, in order
     for (int i : part.tensors) {
+      sig = CombineSignatures(sig, ShapeSignature(ctx->input(i).shape()));
       if (bytes[i] > 0) std::memcpy(buffer->data() + offset, ins[i].data, bytes[i]);
       pieces.emplace_back(const_cast<char*>(outs[i]->tensor_data().data()), bytes[i]);
       offset += bytes[i];
@@ -144,7 +147,7 @@ class GroupAllReduceOp : public AsyncOpKernel {
       }
     };
     engine->AllReduce(buffer->data(), buffer->data(), part.count, part.dtype, op_, name,
-                      PartCallback(ctx, group, inputs, unpack));
+                      PartCallback(ctx, group, inputs, unpack), sig);
   }
 
   static kungfu::DoneCallback PartCallback(OpKernelContext* ctx, std::shared_ptr<GroupCompletion> group,

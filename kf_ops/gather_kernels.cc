@@ -44,7 +44,8 @@ class BroadcastOp : public AsyncOpKernel {
       std::memcpy(buf, view.data, in.TotalBytes());
     }
     auto keep = std::make_shared<Tensor>(in);
-    engine->Broadcast(buf, view.count, view.dtype, root_, key, FinishKernel(ctx, std::move(done), nullptr, keep));
+    engine->Broadcast(buf, view.count, view.dtype, root_, key, FinishKernel(ctx, std::move(done), nullptr, keep),
+                      ShapeSignature(in.shape()));
   }
 
  private:

@@ -41,12 +41,13 @@ void NarrowHalf(const float* src, void* dst, int64_t n, DType d) {
 class AllReduceStar : public Op {
  public:
   AllReduceStar(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, std::string name,
-                DoneCallback done)
+                DoneCallback done, const char* kind)
       : Op(std::move(name), std::move(done)),
+        kind_(kind),
         in_(static_cast<const char*>(in)), out_(static_cast<char*>(out)), count_(count), dtype_(dtype), op_(op),
         bytes_(count * static_cast<int64_t>(DTypeSize(dtype))) {}
 
-  const char* kind() const override { return "allreduce"; }
+  const char* kind() const override { return kind_; }
 
   Status Start(OpContext* ctx) override {
     n_ = ctx->size();
@@ -133,6 +134,7 @@ class AllReduceStar : public Op {
     got_result_ = true;
   }
 
+  const char* kind_;
   const char* in_;
   char* out_;
   int64_t count_;
@@ -258,8 +260,8 @@ class AllReduceRing : public Op {
 }  // namespace
 
 std::unique_ptr<Op> NewAllReduceStar(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
-                                     std::string name, DoneCallback done) {
-  return std::make_unique<AllReduceStar>(in, out, count, dtype, op, std::move(name), std::move(done));
+                                     std::string name, DoneCallback done, const char* kind) {
+  return std::make_unique<AllReduceStar>(in, out, count, dtype, op, std::move(name), std::move(done), kind);
 }
 
 std::unique_ptr<Op> NewAllReduceRing(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,

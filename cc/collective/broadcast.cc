@@ -2,8 +2,9 @@
 //
 // Star: the root sends the buffer to every worker. Chain: root -> root+1 -> ... -> root-1, in pieces
 // of chunk_bytes, each worker forwarding a piece as soon as it lands (directly in its buffer).
-// Receivers acknowledge (every receiver for the star, the last of the chain), so the root finishes
-// only when everyone has the data, and a mismatch found anywhere reaches the root as an abort.
+// Receivers acknowledge (every receiver for the star, the last of the chain); once the root has the
+// acknowledgements it sends every receiver a commit. Nobody finishes before the commit, so a mismatch
+// found by any worker (an abort) fails the broadcast on every worker, not only on some.
 #include <cstring>
 
 #include "cc/collective/op.h"
@@ -57,31 +58,47 @@ class Broadcast : public Op {
     received_ += len;
     ++frames_;
     if (chain_ && Next() != root_) Forward(ctx, h, len);
-    if (ReceivedAll() && (!chain_ || Next() == root_)) ctx->Send(this, root_, Header(FrameKind::kAck, 0, 0), nullptr);
+    if (HaveData() && (!chain_ || Next() == root_)) ctx->Send(this, root_, Header(FrameKind::kAck, 0, 0), nullptr);
     return Status::OK();
   }
 
   Status OnAck(OpContext* ctx, int src, const FrameHeader& h) override {
     RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Algo(), dtype_, count_,
                                    static_cast<uint32_t>(root_), "root"));
-    if (r_ != root_) return InvalidArgument("broadcast acknowledgement sent to a non-root");
-    ++acks_;
+    if (r_ != root_) {  // the root's commit
+      if (src != root_ || h.tag != kCommitTag || committed_) return InvalidArgument("unexpected broadcast commit");
+      committed_ = true;
+      return Status::OK();
+    }
+    if (h.tag != 0 || ++acks_ > ExpectedAcks()) return InvalidArgument("unexpected broadcast acknowledgement");
+    if (acks_ == ExpectedAcks()) {
+      FrameHeader commit = Header(FrameKind::kAck, 0, 0);
+      commit.tag = kCommitTag;
+      for (int d = 0; d < n_; ++d) {
+        if (d != root_) ctx->Send(this, d, commit, nullptr);
+      }
+      committed_ = true;
+    }
     return Status::OK();
   }
 
   bool ReceivedAll() const override {
     if (n_ == 1) return true;
-    if (r_ == root_) return acks_ == (chain_ ? 1 : n_ - 1);
-    return received_ == count_ && frames_ >= 1;
+    return committed_ && (r_ == root_ || HaveData());
   }
 
   std::string Progress() const override {
-    if (r_ == root_) return "received " + std::to_string(acks_) + " acknowledgements";
+    if (r_ == root_) return "received " + std::to_string(acks_) + " of " + std::to_string(ExpectedAcks()) +
+                            " acknowledgements";
+    if (HaveData()) return "waiting for the root's commit";
     return "received " + std::to_string(received_) + " of " + std::to_string(count_) + " elements from rank " +
            std::to_string(Prev());
   }
 
  private:
+  static constexpr uint32_t kCommitTag = 1;
+  bool HaveData() const { return received_ == count_ && frames_ >= 1; }
+  int ExpectedAcks() const { return chain_ ? 1 : n_ - 1; }
   kungfu::Algo Algo() const { return chain_ ? Algo::kBroadcastChain : Algo::kBroadcastStar; }
   int Next() const { return (r_ + 1) % n_; }
   int Prev() const { return chain_ ? (r_ + n_ - 1) % n_ : root_; }
@@ -136,6 +153,7 @@ class Broadcast : public Op {
   int64_t received_ = 0;
   int frames_ = 0;
   int acks_ = 0;
+  bool committed_ = false;  // root: commit sent; others: commit received
 };
 
 }  // namespace

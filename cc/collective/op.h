@@ -53,6 +53,7 @@ class Op {
   uint64_t id = 0;
   uint64_t generation = 0;
   int64_t outstanding_sends = 0;
+  uint32_t shape_sig = 0;  // sent in every frame and compared with the peers' (0: not checked)
 
  private:
   std::string name_;
@@ -68,8 +69,9 @@ Status CheckAgreement(const PeerList& peers, int src, const FrameHeader& h, Algo
 inline int64_t ChunkBegin(int64_t count, int n, int j) { return count * j / n; }
 
 // Factories (one file per algorithm family).
+// kind names the op in errors: barrier and consensus are star allreduces underneath.
 std::unique_ptr<Op> NewAllReduceStar(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
-                                     std::string name, DoneCallback done);
+                                     std::string name, DoneCallback done, const char* kind = "allreduce");
 std::unique_ptr<Op> NewAllReduceRing(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
                                      std::string name, DoneCallback done);
 std::unique_ptr<Op> NewBroadcast(void* buf, int64_t count, DType dtype, int root, bool chain, std::string name,

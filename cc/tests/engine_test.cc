@@ -232,6 +232,35 @@ TEST(Errors, CountMismatchIsInvalidArgumentEverywhere) {
   }
 }
 
+TEST(Errors, BroadcastCountMismatchIsInvalidArgumentEverywhere) {
+  for (int64_t threshold : {int64_t{0}, int64_t{1} << 26}) {  // chain and star
+    const int n = 4;
+    auto engines = StartCluster(n, [&](EngineConfig& c) { c.ring_threshold_bytes = threshold; });
+    for (int round = 0; round < 5; ++round) {
+      RunRanks(n, [&](int r) {
+        std::vector<int32_t> buf(r == 1 ? 3 : 2, r);
+        Waiter w;
+        engines[r]->Broadcast(buf.data(), buf.size(), DType::kInt32, 0, "b" + std::to_string(round), w.Callback());
+        Status s = w.Wait();
+        EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
+      });
+    }
+  }
+}
+
+TEST(Errors, SameCountOtherShapeIsInvalidArgumentEverywhere) {
+  const int n = 3;
+  auto engines = StartCluster(n);
+  RunRanks(n, [&](int r) {
+    std::vector<float> buf(6, 1.f);
+    Waiter w;
+    engines[r]->AllReduce(buf.data(), buf.data(), 6, DType::kFloat32, ReduceOp::kSum, "shape", w.Callback(),
+                          r == 2 ? 0x1234 : 0x5678);
+    Status s = w.Wait();
+    EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
+  });
+}
+
 TEST(Errors, DTypeMismatchIsInvalidArgumentEverywhere) {
   const int n = 3;
   auto engines = StartCluster(n);
@@ -280,7 +309,7 @@ TEST(Handshake, WrongTokenIsRefused) {
     c.peers = peers;
     c.rank = r;
     c.token = r == 0 ? "right" : "wrong";
-    c.timeout_seconds = 3;
+    c.timeout_seconds = 1;  // a refused handshake is retried until the deadline
     auto e = Engine::Start(c);
     results[r] = e.status();
     if (e.ok()) engines[r] = std::move(e.value());

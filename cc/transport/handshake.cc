@@ -98,12 +98,14 @@ Status ClientHandshake(int fd, const HandshakeParams& params, int self_rank, con
   uint8_t challenge[kNonceBytes + 32];
   RETURN_IF_ERROR(ReadFull(fd, challenge, sizeof(challenge), deadline).WithContext("reading the handshake challenge"));
   const uint8_t* server_nonce = challenge;
+  // Send our proof before judging the server's, so a server with another token learns (and logs)
+  // that the tokens differ instead of seeing a connection that just closed.
+  const Digest proof = Mac(params.token, "kungfu-client", server_nonce, hello.nonce, raw);
+  RETURN_IF_ERROR(WriteFull(fd, proof.data(), proof.size(), deadline));
   const Digest expect = Mac(params.token, "kungfu-server", hello.nonce, server_nonce, {});
   if (!ConstantTimeEqual(expect.data(), challenge + kNonceBytes, 32)) {
     return PermissionDenied("the peer could not prove it holds the job token");
   }
-  const Digest proof = Mac(params.token, "kungfu-client", server_nonce, hello.nonce, raw);
-  RETURN_IF_ERROR(WriteFull(fd, proof.data(), proof.size(), deadline));
   uint8_t verdict = 0;
   RETURN_IF_ERROR(ReadFull(fd, &verdict, 1, deadline).WithContext("reading the handshake verdict"));
   if (verdict != kAccepted) return PermissionDenied(std::string("the peer refused us: ") + VerdictText(verdict));
