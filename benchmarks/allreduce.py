@@ -153,6 +153,17 @@ def _version(*dists):
     return 'not installed'
 
 
+def _kungfu_build():
+    """When the kungfu library that will be measured was built (its file time), without importing kungfu."""
+    import importlib.util
+    spec = importlib.util.find_spec('kungfu')
+    path = os.environ.get('KUNGFU_LIBRARY') or (
+        os.path.join(os.path.dirname(spec.origin), '_kungfu.so') if spec and spec.origin else '')
+    if not path or not os.path.exists(path):
+        return 'no library'
+    return 'library built %s' % time.strftime('%Y-%m-%d %H:%M', time.localtime(os.path.getmtime(path)))
+
+
 def run_meta(plan):
     """What a reader needs to judge the figures: when, on what, with which software and plan."""
     cpu = '?'
@@ -165,9 +176,9 @@ def run_meta(plan):
         ('date', datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')),
         ('machine', 'nproc %d, %s, %.0f GiB, Linux %s' % (os.cpu_count(), cpu, mem_gib, platform.release())),
         ('load average at start', '%.2f %.2f %.2f' % os.getloadavg()),
-        ('software', 'Python %s, TensorFlow %s, mpi4py %s, %s, kungfu %s (tree %s)' % (
+        ('software', 'Python %s, TensorFlow %s, mpi4py %s, %s, kungfu %s (%s; tree %s)' % (
             platform.python_version(), _version('tensorflow-cpu', 'tensorflow'), _version('mpi4py'),
-            _first_line('mpirun', '--version'), _version('kungfu'),
+            _first_line('mpirun', '--version'), _version('kungfu'), _kungfu_build(),
             _first_line('git', '-C', here, 'rev-parse', '--short', 'HEAD'))),
         ('plan', 'per size and system: %d warm-up, then %d to %d timed iterations within %.2f s; best of %d '
                  'round(s)%s' % (plan['warmup'], plan['min_iters'], plan['max_iters'], plan['seconds'],
