@@ -13,13 +13,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import library_missing_reason
 
 import kungfu
 from kungfu import _lib
 from kungfu import errors
 
-pytestmark = pytest.mark.skipif(library_missing_reason() is not None, reason=str(library_missing_reason()))
+pytestmark = pytest.mark.usefixtures("kungfu_library")  # fails, naming the fix, when it is not built
 
 REDUCE_DTYPES = [tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64]
 COPY_ONLY_DTYPES = [tf.uint8, tf.int8, tf.bool]

@@ -8,12 +8,11 @@ the keys it saw; see kungfu/ops/_naming.py.
 import pytest
 import tensorflow as tf
 
-from conftest import library_missing_reason
 
 import kungfu
 from kungfu.ops import _naming
 
-pytestmark = pytest.mark.skipif(library_missing_reason() is not None, reason=str(library_missing_reason()))
+pytestmark = pytest.mark.usefixtures("kungfu_library")  # fails, naming the fix, when it is not built
 
 KF_OPS = {"KfAllReduce", "KfGroupAllReduce", "KfBroadcast", "KfAllGather", "KfBarrier", "KfConsensus"}
 
