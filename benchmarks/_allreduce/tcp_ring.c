@@ -3,8 +3,13 @@
  * traffic a bandwidth-optimal allreduce must move. "oneway" mode (n = 2) streams size bytes from rank 0 to
  * rank 1, the single-connection figure for reference.
  *
- * One thread per rank drives both sockets with poll(), as an event loop would. Between iterations a two-round
- * token barrier circles the ring on the same connections; rank 0's token carries the agreed iteration count.
+ * One thread per rank drives both sockets with poll(), as an event loop would. When neither socket is ready it
+ * spins (poll with no wait, then sched_yield) for up to SPIN_US before sleeping in poll: on loopback, sleeping
+ * and waking on every drained socket buffer costs more than the copies (measured on 2 cores: 4 KiB latency 8x
+ * lower, 1 to 16 MiB about 1.5x faster), and yielding keeps the spin harmless when ranks outnumber cores.
+ * OpenMPI's progress loop and our engine spin as well, so a ceiling that slept would be one they beat.
+ * Between iterations a two-round token barrier circles the ring on the same connections; rank 0's token
+ * carries the agreed iteration count.
  *
  * usage: tcp_ring ring|oneway RANK NP PORT,PORT,... SIZE,SIZE,... WARMUP MAX_ITERS MIN_ITERS SECONDS OUT
  * Writes {"<series>": {"<size>": [seconds, ...], ...}} to OUT. Every wait is bounded; failures exit nonzero. */
@@ -12,6 +17,7 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +27,7 @@
 #include <unistd.h>
 
 #define DEADLINE_MS 60000
+#define SPIN_US 200
 
 static void die(const char *what) {
   fprintf(stderr, "tcp_ring: %s: %s\n", what, errno ? strerror(errno) : "failed");
@@ -55,13 +62,23 @@ static struct sockaddr_in loopback(long port) {
 /* Moves send_n bytes out of right and recv_n bytes in from left, concurrently. */
 static void transfer(int right, const char *sbuf, long send_n, int left, char *rbuf, long recv_n) {
   long sent = 0, got = 0;
+  double idle_since = 0; /* when this wait began spinning; 0 while progressing */
   while (sent < send_n || got < recv_n) {
     struct pollfd q[2];
     int nfds = 0;
     if (sent < send_n) q[nfds++] = (struct pollfd){right, POLLOUT, 0};
     if (got < recv_n) q[nfds++] = (struct pollfd){left, POLLIN, 0};
-    int r = poll(q, nfds, DEADLINE_MS);
-    if (r == 0) { errno = ETIMEDOUT; die("waiting for a neighbour"); }
+    int r = poll(q, nfds, 0);
+    if (r == 0) {
+      if (idle_since == 0) idle_since = now();
+      if (now() - idle_since < SPIN_US * 1e-6) {
+        sched_yield();
+        continue;
+      }
+      r = poll(q, nfds, DEADLINE_MS);
+      if (r == 0) { errno = ETIMEDOUT; die("waiting for a neighbour"); }
+    }
+    idle_since = 0;
     if (r < 0 && errno != EINTR) die("poll");
     for (int i = 0; i < nfds; i++) {
       if (q[i].fd == right && (q[i].revents & (POLLOUT | POLLERR | POLLHUP)) && sent < send_n) {
