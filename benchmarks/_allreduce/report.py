@@ -145,6 +145,10 @@ def render(results, nps, sizes, meta, failures):
               latency_table(results, nps, sizes, series), '',
               '## Ratios (%s against each baseline; x = how many times faster)' % OURS, '',
               ratio_table(results, nps, sizes), '']
+    if any((o := _get(results, OURS, np, n)) and (r := _get(results, S.RAW_RING, np, n)) and r > o
+           for np in nps for n in sizes):
+        parts += ['A ratio to the raw ring above 100% means the raw mover is not a tight ceiling there: on few '
+                  'cores, how the processes are scheduled matters as much as the bytes moved.', '']
     oneway = oneway_line(results, sizes)
     if oneway:
         parts += [oneway, '']
