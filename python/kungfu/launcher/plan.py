@@ -7,6 +7,7 @@ Remote ports cannot be checked from here and are handed out in order.
 """
 
 import dataclasses
+import os
 import socket
 
 from . import hosts as hosts_lib
@@ -100,9 +101,19 @@ def plan_workers(hosts, np, port_range, local_check=hosts_lib.is_local, port_fre
     return workers
 
 
-def worker_env(spec, workers, token, timeout):
-    """The KUNGFU_* variables of one worker (the contract read by kungfu._env.resolve_cluster)."""
-    return {
+# Defaults kfrun gives every worker unless the caller's environment sets them already.
+# TF's default CPU allocator returns large buffers to the OS, so every eager op on a large tensor
+# page-faults its output afresh (64 MiB: about 30 ms here against 7 ms with BFC); the BFC allocator
+# keeps and reuses them, at the price of holding peak memory. Set it to false to opt out.
+WORKER_DEFAULTS = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
+
+
+def worker_env(spec, workers, token, timeout, environ=None):
+    """The variables of one worker: the KUNGFU_* contract read by kungfu._env.resolve_cluster, plus
+    WORKER_DEFAULTS not already set in environ (default: os.environ)."""
+    environ = os.environ if environ is None else environ
+    defaults = {k: v for k, v in WORKER_DEFAULTS.items() if k not in environ}
+    return {**defaults,
         "KUNGFU_PEERS": ",".join(w.addr for w in workers),
         "KUNGFU_RANK": str(spec.rank),
         "KUNGFU_SIZE": str(len(workers)),
