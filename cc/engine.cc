@@ -46,7 +46,7 @@ Status Engine::Impl::Start() {
     if (!l.ok()) return l.status().WithContext("listening as " + config_.peers.Describe(config_.rank));
     listener_ = std::move(l.value());
   }
-  loop_.Start([this] { return AfterEvents(); });
+  loop_.Start([this] { return AfterEvents(); }, n > 1 ? config_.spin_us : 0);
   if (n == 1) return Status::OK();
   acceptor_ = std::thread([this] { AcceptLoop(); });
   return ConnectToPeers();
@@ -273,6 +273,9 @@ Status ReadEnvNumber(const char* var, double min, double max, double* out) {
 }  // namespace
 
 Status ApplyEnvOverrides(EngineConfig* c) {
+  double spin = c->spin_us;
+  RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_SPIN_US", 0, 1e6, &spin));
+  c->spin_us = static_cast<int>(spin);
   double timeout = c->timeout_seconds, ring = static_cast<double>(c->ring_threshold_bytes),
          chunk = static_cast<double>(c->chunk_bytes), pending = static_cast<double>(c->max_pending_bytes);
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_TIMEOUT", 0.001, 1e7, &timeout));

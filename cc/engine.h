@@ -36,6 +36,7 @@ struct EngineConfig {
   int64_t chunk_bytes = 1 << 20;      // pipeline piece size of the ring and chain broadcast
   int64_t max_pending_bytes = int64_t{1} << 30;  // bound on data buffered for collectives not started
   bool listen = true;                 // false only for a single-worker cluster
+  int spin_us = 200;                  // the loop polls this long after activity before sleeping (KUNGFU_SPIN_US)
 };
 
 // Counters for tests and benchmarks; read with Engine::stats().
@@ -94,7 +95,7 @@ class Engine {
   std::unique_ptr<Impl> impl_;
 };
 
-// Reads KUNGFU_TIMEOUT, KUNGFU_RING_THRESHOLD, KUNGFU_CHUNK_BYTES and KUNGFU_MAX_PENDING_BYTES into
+// Reads KUNGFU_TIMEOUT, KUNGFU_RING_THRESHOLD, KUNGFU_CHUNK_BYTES, KUNGFU_MAX_PENDING_BYTES and KUNGFU_SPIN_US into
 // config, leaving fields whose variable is unset. Bad values are an InvalidArgument naming the variable.
 Status ApplyEnvOverrides(EngineConfig* config);
 

@@ -4,7 +4,10 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
+#include <sched.h>
+
 #include <cerrno>
+#include <chrono>
 
 #include "cc/log.h"
 
@@ -32,8 +35,9 @@ Status EventLoop::Init() {
   return Status::OK();
 }
 
-void EventLoop::Start(std::function<int()> after_events) {
+void EventLoop::Start(std::function<int()> after_events, int spin_us) {
   after_events_ = std::move(after_events);
+  spin_us_ = spin_us;
   running_ = true;
   thread_ = std::thread([this] { Run(); });
 }
@@ -84,9 +88,18 @@ void EventLoop::Remove(int fd) {
 void EventLoop::Run() {
   constexpr int kMaxEvents = 64;
   epoll_event events[kMaxEvents];
+  using Clock = std::chrono::steady_clock;
+  const auto spin = std::chrono::microseconds(spin_us_);
+  auto last_activity = Clock::now();
   int timeout_ms = 0;
   while (running_) {
-    const int n = ::epoll_wait(epoll_fd_, events, kMaxEvents, timeout_ms);
+    const bool spinning = timeout_ms != 0 && Clock::now() - last_activity < spin;
+    const int n = ::epoll_wait(epoll_fd_, events, kMaxEvents, spinning ? 0 : timeout_ms);
+    if (n > 0) {
+      last_activity = Clock::now();
+    } else if (spinning) {
+      sched_yield();
+    }
     for (int i = 0; i < n; ++i) {
       const int fd = events[i].data.fd;
       if (fd == wake_fd_) {
@@ -108,6 +121,7 @@ void EventLoop::Run() {
       tasks.swap(posted_);
     }
     for (auto& t : tasks) t();
+    if (!tasks.empty()) last_activity = Clock::now();
     timeout_ms = after_events_ ? after_events_() : -1;
   }
 }
