@@ -276,10 +276,16 @@ def test_plan_skips_a_port_in_use():
 
 def test_worker_env_contract():
     workers = plan.plan_workers([hosts.HostSpec("127.0.0.1", 2)], 2, (10000, 10100), port_free=lambda p: True)
-    env = plan.worker_env(workers[1], workers, "tok", 12.5)
+    env = plan.worker_env(workers[1], workers, "tok", 12.5, environ={})
     assert env == {"KUNGFU_PEERS": "127.0.0.1:10000,127.0.0.1:10001", "KUNGFU_RANK": "1", "KUNGFU_SIZE": "2",
                    "KUNGFU_LOCAL_RANK": "1", "KUNGFU_LOCAL_SIZE": "2", "KUNGFU_TOKEN": "tok",
-                   "KUNGFU_TIMEOUT": "12.5", "KUNGFU_CLUSTER_VERSION": "0"}
+                   "KUNGFU_TIMEOUT": "12.5", "KUNGFU_CLUSTER_VERSION": "0", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
+
+
+def test_worker_defaults_yield_to_the_callers_environment():
+    workers = plan.plan_workers([hosts.HostSpec("127.0.0.1", 1)], 1, (10000, 10100), port_free=lambda p: True)
+    env = plan.worker_env(workers[0], workers, "tok", 1, environ={"TF_CPU_ALLOCATOR_USE_BFC": "false"})
+    assert "TF_CPU_ALLOCATOR_USE_BFC" not in env  # the worker inherits the caller's "false"
 
 
 @pytest.mark.parametrize("env, message", [
