@@ -7,13 +7,16 @@ compute on its own. The workers then agree (an all-reduce of their pass/fail fla
 rank 0 prints one table; the others print one line each. Exits 1 if any step failed anywhere.
 """
 
+import os
 import sys
 import time
 
-import numpy as np
-import tensorflow as tf
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up notices out of the summary
 
-import kungfu
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kungfu  # noqa: E402
 
 
 def rank_data(r, n, dtype):
