@@ -46,7 +46,7 @@ Status Engine::Impl::Start() {
     if (!l.ok()) return l.status().WithContext("listening as " + config_.peers.Describe(config_.rank));
     listener_ = std::move(l.value());
   }
-  loop_.Start([this] { return AfterEvents(); }, n > 1 ? config_.spin_us : 0);
+  loop_.Start([this] { return AfterEvents(); }, config_.spin_us);
   if (n == 1) return Status::OK();
   acceptor_ = std::thread([this] { AcceptLoop(); });
   return ConnectToPeers();
