@@ -39,3 +39,20 @@ def test_from_tf_error():
     assert errors.is_recoverable(e)
     assert isinstance(errors.from_tf_error(tf.errors.InvalidArgumentError(None, None, "m")), errors.MismatchError)
     assert isinstance(errors.from_tf_error(tf.errors.DeadlineExceededError(None, None, "t")), errors.CollectiveTimeout)
+
+
+@pytest.mark.parametrize("raised, cls", [
+    (TimeoutError("timed out waiting for rank 0"), errors.CollectiveTimeout),
+    (ConnectionError("rank 0 refused the registration"), errors.PeerError),
+    (OSError("cannot bind 127.0.0.1:20001"), errors.EngineError),
+])
+def test_init_wraps_rendezvous_failures(monkeypatch, raised, cls):
+    from kungfu import _env, _lib
+
+    def fail():
+        raise raised
+
+    monkeypatch.setattr(_env, "resolve_cluster", fail)
+    with pytest.raises(cls, match="rendezvous"):
+        _lib.init()
+    assert not _lib.initialized()

@@ -103,6 +103,10 @@ def init():
             cluster = _env.resolve_cluster()
         except TimeoutError as e:
             raise errors.CollectiveTimeout(f"kungfu.init: rendezvous timed out: {e}") from e
+        except ConnectionError as e:  # refused by rank 0 (another job, another token) or cut off
+            raise errors.PeerError(f"kungfu.init: rendezvous failed: {e}") from e
+        except OSError as e:  # e.g. rank 0 cannot bind the rendezvous port
+            raise errors.EngineError(f"kungfu.init: rendezvous failed: {e}") from e
         lib = load()
         err = ctypes.create_string_buffer(_ERR_LEN)
         code = lib.c.kungfu_init(",".join(cluster.peers).encode(), cluster.rank, cluster.token.encode(),
