@@ -1,6 +1,6 @@
 // Status and StatusOr: how every error in the engine travels.
 //
-// Errors are values, never exit() or exceptions across the engine boundary. A Status carries a code
+// Errors are values: the engine never ends the process and throws nothing across its boundary. A Status carries a code
 // (mirroring TF/absl canonical codes so kf_ops can map them one-to-one) and a message; context is
 // prepended as the error travels up: "allreduce 'grad/w': peer 127.0.0.1:10001 (rank 1) closed the connection".
 #pragma once
