@@ -140,7 +140,7 @@ void Engine::Impl::Shutdown() {
 
 void Engine::Impl::Submit(std::unique_ptr<Op> op) {
   if (stopping_) {
-    op->done()(Cancelled(std::string(op->kind()) + " '" + op->name() + "': the engine is shutting down"));
+    op->done()(Cancelled(Describe(*op) + ": the engine is shutting down"));
     return;
   }
   auto shared = std::make_shared<std::unique_ptr<Op>>(std::move(op));

@@ -16,6 +16,10 @@ constexpr int kPoisonSource = -1;  // a pending entry the engine made itself (bu
 std::string Engine::Impl::Describe(const Op& op) const { return std::string(op.kind()) + " '" + op.name() + "'"; }
 
 void Engine::Impl::StartOp(std::unique_ptr<Op> op) {
+  if (stopping_) {  // submitted as shutdown began; may run on the thread that stopped the loop
+    op->done()(Cancelled(Describe(*op) + ": the engine is shutting down"));
+    return;
+  }
   const uint64_t id = next_op_id_++;
   op->id = id;
   op->generation = next_gen_[op->name()]++;

@@ -43,18 +43,31 @@ void EventLoop::Start(std::function<int()> after_events, int spin_us) {
 }
 
 void EventLoop::Stop() {
-  if (!thread_.joinable()) return;
-  running_ = false;
-  Wake();
-  thread_.join();
+  if (thread_.joinable()) {
+    running_ = false;
+    Wake();
+    thread_.join();
+  }
+  std::vector<std::function<void()>> left;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopped_ = true;
+    left.swap(posted_);
+  }
+  for (auto& t : left) t();
 }
 
 void EventLoop::Post(std::function<void()> task) {
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    posted_.push_back(std::move(task));
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!stopped_) {
+      posted_.push_back(std::move(task));
+      lock.unlock();
+      Wake();
+      return;
+    }
   }
-  Wake();
+  task();
 }
 
 void EventLoop::Wake() {

@@ -29,9 +29,11 @@ class EventLoop {
   // polls): a reply that comes within that window is handled without a thread wake-up, which costs
   // tens of microseconds on a virtual machine. 0 disables spinning.
   void Start(std::function<int()> after_events, int spin_us = 0);
-  // Stops and joins the thread. Tasks posted after Stop are dropped.
+  // Stops and joins the thread, then runs what is still posted on the calling thread.
   void Stop();
 
+  // Runs task on the loop thread; once the loop has stopped, on the calling thread instead, so
+  // that no task (and no completion callback it would call) is ever lost.
   void Post(std::function<void()> task);
   bool InLoopThread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
@@ -51,8 +53,9 @@ class EventLoop {
   std::function<int()> after_events_;
   int spin_us_ = 0;
   std::unordered_map<int, Handler> handlers_;
-  std::mutex mu_;  // guards posted_
+  std::mutex mu_;  // guards posted_ and stopped_
   std::vector<std::function<void()>> posted_;
+  bool stopped_ = false;
 };
 
 }  // namespace kungfu
