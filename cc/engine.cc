@@ -193,9 +193,12 @@ void Engine::ResetStats() { impl_->ResetStats(); }
 void Engine::AllReduce(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name,
                        DoneCallback done, uint32_t shape_sig) {
   const int64_t bytes = count * static_cast<int64_t>(DTypeSize(dtype));
-  const bool ring = size() > 1 && bytes >= impl_->config().ring_threshold_bytes && count >= size();
-  auto o = ring ? NewAllReduceRing(in, out, count, dtype, op, name, std::move(done))
-                : NewAllReduceStar(in, out, count, dtype, op, name, std::move(done));
+  const int n = size();
+  const bool ring = n > 1 && bytes >= impl_->config().ring_threshold_bytes && count >= n;
+  const bool doubling = n > 1 && (n & (n - 1)) == 0;
+  auto o = ring       ? NewAllReduceRing(in, out, count, dtype, op, name, std::move(done))
+           : doubling ? NewAllReduceDoubling(in, out, count, dtype, op, name, std::move(done))
+                      : NewAllReduceStar(in, out, count, dtype, op, name, std::move(done));
   o->shape_sig = shape_sig;
   impl_->Submit(std::move(o));
 }

@@ -25,6 +25,7 @@ const char* AlgoName(Algo a) {
     case Algo::kBroadcastStar: return "broadcast/star";
     case Algo::kBroadcastChain: return "broadcast/chain";
     case Algo::kAllGather: return "allgather";
+    case Algo::kAllReduceDoubling: return "allreduce/doubling";
   }
   return "unknown";
 }
@@ -62,7 +63,7 @@ Status DecodeFrameHeader(const uint8_t* in, FrameHeader* h, uint32_t* name_len) 
   h->kind = static_cast<FrameKind>(kind);
   h->dtype = Get<uint8_t>(in, 7);
   const uint8_t algo = Get<uint8_t>(in, 8);
-  if (algo < 1 || algo > 5) return InvalidArgument("bad algorithm id " + std::to_string(algo));
+  if (algo < 1 || algo > 6) return InvalidArgument("bad algorithm id " + std::to_string(algo));
   h->algo = static_cast<Algo>(algo);
   h->aux = Get<uint32_t>(in, 12);
   h->cluster_version = Get<uint32_t>(in, 16);

@@ -29,6 +29,7 @@ enum class Algo : uint8_t {
   kBroadcastStar = 3,
   kBroadcastChain = 4,
   kAllGather = 5,
+  kAllReduceDoubling = 6,
 };
 const char* AlgoName(Algo a);
 

@@ -72,6 +72,9 @@ inline int64_t ChunkBegin(int64_t count, int n, int j) { return count * j / n; }
 // kind names the op in errors: barrier and consensus are star allreduces underneath.
 std::unique_ptr<Op> NewAllReduceStar(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
                                      std::string name, DoneCallback done, const char* kind = "allreduce");
+// Small messages on a power-of-two number of workers (2, 4, 8, ...).
+std::unique_ptr<Op> NewAllReduceDoubling(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
+                                         std::string name, DoneCallback done);
 std::unique_ptr<Op> NewAllReduceRing(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
                                      std::string name, DoneCallback done);
 std::unique_ptr<Op> NewBroadcast(void* buf, int64_t count, DType dtype, int root, bool chain, std::string name,

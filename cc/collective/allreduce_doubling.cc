@@ -1,0 +1,141 @@
+// Allreduce by recursive doubling, for small messages on a power-of-two number of workers.
+//
+// In round k every worker swaps its partial result with worker rank ^ 2^k and reduces the two, so
+// after log2(n) rounds everyone holds the full result: log2(n) message delays with every worker busy,
+// where the star needs two delays but funnels n-1 messages through rank 0. Both partners compute
+// a (op) b with the operands swapped; the ops are commutative, so the results agree bit for bit.
+// A buffer that has been sent is never written again (each round reduces into a fresh stage buffer),
+// so a send still queued in the socket never sees later rounds' data.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "cc/collective/op.h"
+
+namespace kungfu {
+
+namespace {
+
+class AllReduceDoubling : public Op {
+ public:
+  AllReduceDoubling(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, std::string name,
+                    DoneCallback done)
+      : Op(std::move(name), std::move(done)),
+        in_(static_cast<const char*>(in)), out_(static_cast<char*>(out)), count_(count), dtype_(dtype), op_(op),
+        bytes_(count * static_cast<int64_t>(DTypeSize(dtype))) {}
+
+  const char* kind() const override { return "allreduce"; }
+
+  Status Start(OpContext* ctx) override {
+    n_ = ctx->size();
+    r_ = ctx->rank();
+    while ((1 << rounds_) < n_) ++rounds_;
+    if ((1 << rounds_) != n_) return Internal("recursive doubling needs a power-of-two cluster size");
+    if (n_ == 1) {
+      if (in_ != out_ && bytes_ > 0) std::memcpy(out_, in_, bytes_);
+      finished_ = true;
+      return Status::OK();
+    }
+    const size_t alloc = static_cast<size_t>(std::max<int64_t>(bytes_, 1));
+    for (int k = 0; k < rounds_; ++k) recv_.emplace_back(new char[alloc]);
+    for (int k = 0; k + 1 < rounds_; ++k) stage_.emplace_back(new char[alloc]);
+    got_.assign(rounds_, false);
+    first_ = in_;
+    if (in_ == out_ && bytes_ > 0) {  // the last round writes out, which round 0 may still be sending
+      copy_.reset(new char[bytes_]);
+      std::memcpy(copy_.get(), in_, bytes_);
+      first_ = copy_.get();
+    }
+    SendRound(ctx, 0, first_);
+    return Status::OK();
+  }
+
+  char* DirectTarget(int src, const FrameHeader& h) override {
+    if (!Expected(src, h).ok()) return nullptr;
+    return recv_[h.tag].get();
+  }
+
+  Status OnData(OpContext* ctx, int src, const FrameHeader& h, const char* data) override {
+    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Algo::kAllReduceDoubling, dtype_, count_,
+                                   static_cast<uint32_t>(op_), "reduce op"));
+    RETURN_IF_ERROR(Expected(src, h));
+    if (data != recv_[h.tag].get() && bytes_ > 0) std::memcpy(recv_[h.tag].get(), data, bytes_);
+    got_[h.tag] = true;
+    // Rounds complete in order; a partner of a later round may be ahead of this one.
+    while (round_ < rounds_ && got_[round_]) {
+      const char* mine = round_ == 0 ? first_ : stage_[round_ - 1].get();
+      const bool last = round_ + 1 == rounds_;
+      char* dst = last ? out_ : stage_[round_].get();
+      Reduce3(dst, mine, recv_[round_].get(), count_, dtype_, op_);
+      ++round_;
+      if (!last) SendRound(ctx, round_, dst);
+    }
+    if (round_ == rounds_ && !finished_) {
+      if (op_ == ReduceOp::kMean) DivideBy(out_, count_, dtype_, n_);
+      finished_ = true;
+    }
+    return Status::OK();
+  }
+
+  bool ReceivedAll() const override { return finished_; }
+
+  std::string Progress() const override {
+    return "finished " + std::to_string(round_) + " of " + std::to_string(rounds_) + " rounds; waiting for rank " +
+           std::to_string(round_ < rounds_ ? Partner(round_) : r_);
+  }
+
+ private:
+  int Partner(int round) const { return r_ ^ (1 << round); }
+
+  Status Expected(int src, const FrameHeader& h) const {
+    if (h.algo != Algo::kAllReduceDoubling || h.dtype != static_cast<uint8_t>(dtype_) || h.count != count_ ||
+        h.aux != static_cast<uint32_t>(op_)) {
+      return InvalidArgument("frame of another collective");
+    }
+    if (h.tag >= static_cast<uint32_t>(rounds_) || src != Partner(static_cast<int>(h.tag)) || got_[h.tag]) {
+      return InvalidArgument("unexpected allreduce round " + std::to_string(h.tag) + " from rank " +
+                             std::to_string(src));
+    }
+    if (h.offset != 0 || h.payload_bytes != static_cast<uint64_t>(bytes_)) {
+      return InvalidArgument("allreduce round frame has the wrong size");
+    }
+    return Status::OK();
+  }
+
+  void SendRound(OpContext* ctx, int round, const char* data) {
+    FrameHeader h;
+    h.algo = Algo::kAllReduceDoubling;
+    h.dtype = static_cast<uint8_t>(dtype_);
+    h.aux = static_cast<uint32_t>(op_);
+    h.count = count_;
+    h.tag = static_cast<uint32_t>(round);
+    h.payload_bytes = static_cast<uint64_t>(bytes_);
+    ctx->Send(this, Partner(round), h, data);
+  }
+
+  const char* in_;
+  char* out_;
+  int64_t count_;
+  DType dtype_;
+  ReduceOp op_;
+  int64_t bytes_;
+  int n_ = 1, r_ = 0;
+  int rounds_ = 0;  // log2(n)
+  int round_ = 0;   // rounds reduced so far
+  bool finished_ = false;
+  const char* first_ = nullptr;                 // what round 0 sends: in, or copy_ when in == out
+  std::unique_ptr<char[]> copy_;
+  std::vector<std::unique_ptr<char[]>> recv_;   // per round: the partner's partial result
+  std::vector<std::unique_ptr<char[]>> stage_;  // per round but the last: our partial result
+  std::vector<bool> got_;                       // per round: partner's frame received
+};
+
+}  // namespace
+
+std::unique_ptr<Op> NewAllReduceDoubling(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
+                                         std::string name, DoneCallback done) {
+  return std::make_unique<AllReduceDoubling>(in, out, count, dtype, op, std::move(name), std::move(done));
+}
+
+}  // namespace kungfu
