@@ -43,9 +43,8 @@ int kungfu_init(const char* peers, int rank, const char* token, double timeout_s
   }
   kungfu::EngineConfig config;
   const std::string peer_text = peers ? peers : "";
-  if (peer_text.empty()) {
+  if (peer_text.empty()) {  // a single worker: the engine opens no port for a cluster of one
     config.peers = kungfu::PeerList({kungfu::PeerID{"127.0.0.1", 0}}, cluster_version);
-    config.listen = false;
   } else {
     auto list = kungfu::PeerList::Parse(peer_text, cluster_version);
     if (!list.ok()) return kungfu::Report(list.status(), err, err_len);

@@ -48,6 +48,7 @@ Status Engine::Impl::Start() {
     listener_ = std::move(l.value());
   }
   loop_.Start([this] { return AfterEvents(); }, config_.spin_us);
+  loop_started_ = true;
   if (n == 1) return Status::OK();
   acceptor_ = std::thread([this] { AcceptLoop(); });
   return ConnectToPeers();
@@ -122,6 +123,7 @@ void Engine::Impl::AddConnection(Fd fd, int peer, bool outgoing) {
 
 void Engine::Impl::Shutdown() {
   if (stopping_.exchange(true)) return;
+  if (!loop_started_) return;  // Start failed before there was anything to drain
   // Let in-flight collectives finish (bounded by the timeout), then cancel what is left, then give
   // queued sends a moment to drain so peers receive what we owe them.
   const Deadline deadline = DeadlineAfter(config_.timeout_seconds);

@@ -35,7 +35,6 @@ struct EngineConfig {
   int64_t ring_threshold_bytes = 256 << 10;  // allreduce at or above this size uses the ring
   int64_t chunk_bytes = 1 << 20;      // pipeline piece size of the ring and chain broadcast
   int64_t max_pending_bytes = int64_t{1} << 30;  // bound on data buffered for collectives not started
-  bool listen = true;                 // false only for a single-worker cluster
   int spin_us = 200;                  // the loop polls this long after activity before sleeping (KUNGFU_SPIN_US)
 };
 

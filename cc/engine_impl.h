@@ -82,6 +82,7 @@ class Engine::Impl : public FrameSink, public OpContext {
   Fd listener_;
   std::thread acceptor_;
   std::atomic<bool> stopping_{false};
+  bool loop_started_ = false;  // set by Start once the loop thread runs
 
   // Loop thread state.
   std::vector<std::unique_ptr<Connection>> out_;  // by rank: connections we write to

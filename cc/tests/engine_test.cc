@@ -7,6 +7,7 @@
 #include "cc/engine.h"
 #include "cc/tests/cluster.h"
 #include "cc/tests/testing.h"
+#include "cc/transport/socket.h"
 #include "cc/wire.h"
 
 namespace kungfu {
@@ -315,6 +316,23 @@ TEST(Handshake, WrongTokenIsRefused) {
     if (e.ok()) engines[r] = std::move(e.value());
   });
   for (int r = 0; r < 2; ++r) EXPECT_EQ(CodeName(results[r].code()), CodeName(Code::kPermissionDenied));
+}
+
+TEST(Errors, PortInUseFailsStartPromptly) {
+  const PeerList peers = testing::LoopbackPeers(2);
+  EngineConfig c;
+  c.peers = peers;
+  c.rank = 0;
+  c.token = "t";
+  c.timeout_seconds = 30;
+  auto listener = Listen(peers.at(0).port);  // someone else holds rank 0's port
+  ASSERT_TRUE(listener.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto second = Engine::Start(c);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(CodeName(second.status().code()), CodeName(Code::kUnavailable));
+  EXPECT_TRUE(second.status().message().find("bind port") != std::string::npos);
+  EXPECT_TRUE(secs < 2);
 }
 
 TEST(Wire, HeaderRoundTripAndBounds) {
