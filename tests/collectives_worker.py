@@ -230,6 +230,11 @@ def mismatches_fail_on_every_worker():
         "group in function": (lambda: group(tf.zeros([3 if odd else 2])), ["mm/group"]),
         "broadcast count": (lambda: kungfu.broadcast(np.zeros([3 if odd else 2], np.int32), name="mm/bcast"),
                             ["mm/bcast"]),
+        # Same number of elements, another shape: caught by the shape signature in every frame.
+        "all_reduce shape": (lambda: kungfu.all_reduce(np.zeros([3, 2] if odd else [2, 3], np.float32),
+                                                       name="mm/shape"), ["mm/shape", "another shape"]),
+        "broadcast shape": (lambda: kungfu.broadcast(np.zeros([6] if odd else [2, 3], np.int32), name="mm/bshape"),
+                            ["mm/bshape", "another shape"]),
     }
     problems = []
     for what, (fn, words) in cases.items():

@@ -52,7 +52,14 @@ def test_init_wraps_rendezvous_failures(monkeypatch, raised, cls):
     def fail():
         raise raised
 
+    was_initialized = _lib.initialized()  # other tests of this process may have called init()
+    _lib.finalize()
     monkeypatch.setattr(_env, "resolve_cluster", fail)
-    with pytest.raises(cls, match="rendezvous"):
-        _lib.init()
-    assert not _lib.initialized()
+    try:
+        with pytest.raises(cls, match="rendezvous"):
+            _lib.init()
+        assert not _lib.initialized()
+    finally:
+        monkeypatch.undo()
+        if was_initialized:
+            _lib.init()
