@@ -59,8 +59,7 @@ class AllGather : public Op {
 
   Status OnData(OpContext* ctx, int src, const FrameHeader& h, const char* data) override {
     if (src == r_) return InvalidArgument("allgather frame from this worker itself");
-    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Algo::kAllGather, dtype_, total_,
-                                   static_cast<uint32_t>(counts_[src]), "an element count for its block of"));
+    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, ShapeOf(src), "an element count for its block of"));
     int64_t len = 0;
     RETURN_IF_ERROR(Placement(src, h, &len));
     char* dst = out_ + h.offset * esize_;
@@ -77,10 +76,11 @@ class AllGather : public Op {
   }
 
  private:
-  bool Agrees(int src, const FrameHeader& h) const {
-    return src != r_ && src < n_ && h.algo == Algo::kAllGather && h.dtype == static_cast<uint8_t>(dtype_) &&
-           h.count == total_ && h.aux == static_cast<uint32_t>(counts_[src]);
+  // Frames from worker src carry its own block size in aux.
+  FrameShape ShapeOf(int src) const {
+    return {Algo::kAllGather, dtype_, total_, static_cast<uint32_t>(counts_[src])};
   }
+  bool Agrees(int src, const FrameHeader& h) const { return src != r_ && src < n_ && SameCollective(h, ShapeOf(src)); }
 
   Status Placement(int src, const FrameHeader& h, int64_t* len) const {
     const int64_t b = prefix_[src], e = prefix_[src + 1];
@@ -98,14 +98,7 @@ class AllGather : public Op {
   }
 
   FrameHeader Header(int64_t off, int64_t len) const {
-    FrameHeader h;
-    h.algo = Algo::kAllGather;
-    h.dtype = static_cast<uint8_t>(dtype_);
-    h.aux = static_cast<uint32_t>(counts_[r_]);
-    h.count = total_;
-    h.offset = off;
-    h.payload_bytes = static_cast<uint64_t>(len * esize_);
-    return h;
+    return MakeFrame(ShapeOf(r_), 0, off, static_cast<uint64_t>(len * esize_));
   }
 
   const char* in_;

@@ -65,13 +65,12 @@ class AllReduceStar : public Op {
   }
 
   char* DirectTarget(int src, const FrameHeader& h) override {
-    if (src == 0 && h.tag == 1 && Agrees(h) && h.payload_bytes == static_cast<uint64_t>(bytes_)) return out_;
+    if (src == 0 && h.tag == 1 && SameCollective(h, Shape()) && h.payload_bytes == static_cast<uint64_t>(bytes_)) return out_;
     return nullptr;
   }
 
   Status OnData(OpContext* ctx, int src, const FrameHeader& h, const char* data) override {
-    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Algo::kAllReduceStar, dtype_, count_,
-                                   static_cast<uint32_t>(op_), "reduce op"));
+    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Shape(), "reduce op"));
     if (h.payload_bytes != static_cast<uint64_t>(bytes_) || h.offset != 0) {
       return InvalidArgument("malformed allreduce frame from rank " + std::to_string(src));
     }
@@ -106,21 +105,8 @@ class AllReduceStar : public Op {
   }
 
  private:
-  FrameHeader Header(uint32_t tag) const {
-    FrameHeader h;
-    h.algo = Algo::kAllReduceStar;
-    h.dtype = static_cast<uint8_t>(dtype_);
-    h.aux = static_cast<uint32_t>(op_);
-    h.count = count_;
-    h.tag = tag;
-    h.payload_bytes = static_cast<uint64_t>(bytes_);
-    return h;
-  }
-
-  bool Agrees(const FrameHeader& h) const {
-    return h.algo == Algo::kAllReduceStar && h.dtype == static_cast<uint8_t>(dtype_) && h.count == count_ &&
-           h.aux == static_cast<uint32_t>(op_);
-  }
+  FrameShape Shape() const { return {Algo::kAllReduceStar, dtype_, count_, static_cast<uint32_t>(op_)}; }
+  FrameHeader Header(uint32_t tag) const { return MakeFrame(Shape(), tag, 0, static_cast<uint64_t>(bytes_)); }
 
   // Root: all contributions are in. Apply the mean, narrow half types, send the result out.
   void Finish(OpContext* ctx) {
@@ -179,13 +165,12 @@ class AllReduceRing : public Op {
   // hears only from its left neighbour and reduces each piece before the next one is read.
   char* DirectTarget(int src, const FrameHeader& h) override {
     int64_t len = 0;
-    if (src != Left() || !Agrees(h) || !Placement(h, &len).ok()) return nullptr;
+    if (src != Left() || !SameCollective(h, Shape()) || !Placement(h, &len).ok()) return nullptr;
     return h.tag < static_cast<uint32_t>(n_ - 1) ? scratch_.get() : out_ + h.offset * esize_;
   }
 
   Status OnData(OpContext* ctx, int src, const FrameHeader& h, const char* data) override {
-    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Algo::kAllReduceRing, dtype_, count_,
-                                   static_cast<uint32_t>(op_), "reduce op"));
+    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Shape(), "reduce op"));
     if (src != Left()) return InvalidArgument("ring frame from rank " + std::to_string(src) + ", not the left neighbour");
     int64_t len = 0;
     RETURN_IF_ERROR(Placement(h, &len));
@@ -213,10 +198,7 @@ class AllReduceRing : public Op {
   int Left() const { return (r_ + n_ - 1) % n_; }
   int64_t ChunkSize(int j) const { return ChunkBegin(count_, n_, j + 1) - ChunkBegin(count_, n_, j); }
 
-  bool Agrees(const FrameHeader& h) const {
-    return h.algo == Algo::kAllReduceRing && h.dtype == static_cast<uint8_t>(dtype_) && h.count == count_ &&
-           h.aux == static_cast<uint32_t>(op_);
-  }
+  FrameShape Shape() const { return {Algo::kAllReduceRing, dtype_, count_, static_cast<uint32_t>(op_)}; }
 
   // The chunk a frame of step t must fall in, and whether it is one of our pieces.
   Status Placement(const FrameHeader& h, int64_t* len) const {
@@ -234,14 +216,7 @@ class AllReduceRing : public Op {
   }
 
   void SendPiece(OpContext* ctx, int tag, int64_t off, int64_t len, const char* from) {
-    FrameHeader h;
-    h.algo = Algo::kAllReduceRing;
-    h.dtype = static_cast<uint8_t>(dtype_);
-    h.aux = static_cast<uint32_t>(op_);
-    h.count = count_;
-    h.tag = static_cast<uint32_t>(tag);
-    h.offset = off;
-    h.payload_bytes = static_cast<uint64_t>(len * esize_);
+    const FrameHeader h = MakeFrame(Shape(), static_cast<uint32_t>(tag), off, static_cast<uint64_t>(len * esize_));
     ctx->Send(this, (r_ + 1) % n_, h, from + off * esize_);
   }
 

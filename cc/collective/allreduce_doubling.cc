@@ -57,8 +57,7 @@ class AllReduceDoubling : public Op {
   }
 
   Status OnData(OpContext* ctx, int src, const FrameHeader& h, const char* data) override {
-    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Algo::kAllReduceDoubling, dtype_, count_,
-                                   static_cast<uint32_t>(op_), "reduce op"));
+    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Shape(), "reduce op"));
     RETURN_IF_ERROR(Expected(src, h));
     if (data != recv_[h.tag].get() && bytes_ > 0) std::memcpy(recv_[h.tag].get(), data, bytes_);
     got_[h.tag] = true;
@@ -87,12 +86,10 @@ class AllReduceDoubling : public Op {
 
  private:
   int Partner(int round) const { return r_ ^ (1 << round); }
+  FrameShape Shape() const { return {Algo::kAllReduceDoubling, dtype_, count_, static_cast<uint32_t>(op_)}; }
 
   Status Expected(int src, const FrameHeader& h) const {
-    if (h.algo != Algo::kAllReduceDoubling || h.dtype != static_cast<uint8_t>(dtype_) || h.count != count_ ||
-        h.aux != static_cast<uint32_t>(op_)) {
-      return InvalidArgument("frame of another collective");
-    }
+    if (!SameCollective(h, Shape())) return InvalidArgument("frame of another collective");
     if (h.tag >= static_cast<uint32_t>(rounds_) || src != Partner(static_cast<int>(h.tag)) || got_[h.tag]) {
       return InvalidArgument("unexpected allreduce round " + std::to_string(h.tag) + " from rank " +
                              std::to_string(src));
@@ -104,14 +101,8 @@ class AllReduceDoubling : public Op {
   }
 
   void SendRound(OpContext* ctx, int round, const char* data) {
-    FrameHeader h;
-    h.algo = Algo::kAllReduceDoubling;
-    h.dtype = static_cast<uint8_t>(dtype_);
-    h.aux = static_cast<uint32_t>(op_);
-    h.count = count_;
-    h.tag = static_cast<uint32_t>(round);
-    h.payload_bytes = static_cast<uint64_t>(bytes_);
-    ctx->Send(this, Partner(round), h, data);
+    ctx->Send(this, Partner(round), MakeFrame(Shape(), static_cast<uint32_t>(round), 0, static_cast<uint64_t>(bytes_)),
+              data);
   }
 
   const char* in_;

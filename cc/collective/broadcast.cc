@@ -43,13 +43,12 @@ class Broadcast : public Op {
 
   char* DirectTarget(int src, const FrameHeader& h) override {
     int64_t len = 0;
-    if (src != Prev() || r_ == root_ || !Agrees(h) || !Placement(h, &len).ok()) return nullptr;
+    if (src != Prev() || r_ == root_ || !SameCollective(h, Shape()) || !Placement(h, &len).ok()) return nullptr;
     return buf_ + h.offset * esize_;
   }
 
   Status OnData(OpContext* ctx, int src, const FrameHeader& h, const char* data) override {
-    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Algo(), dtype_, count_,
-                                   static_cast<uint32_t>(root_), "root"));
+    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Shape(), "root"));
     if (r_ == root_ || src != Prev()) return InvalidArgument("unexpected broadcast frame from rank " + std::to_string(src));
     int64_t len = 0;
     RETURN_IF_ERROR(Placement(h, &len));
@@ -63,8 +62,7 @@ class Broadcast : public Op {
   }
 
   Status OnAck(OpContext* ctx, int src, const FrameHeader& h) override {
-    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Algo(), dtype_, count_,
-                                   static_cast<uint32_t>(root_), "root"));
+    RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Shape(), "root"));
     if (r_ != root_) {  // the root's commit
       if (src != root_ || h.tag != kCommitTag || committed_) return InvalidArgument("unexpected broadcast commit");
       committed_ = true;
@@ -103,10 +101,7 @@ class Broadcast : public Op {
   int Next() const { return (r_ + 1) % n_; }
   int Prev() const { return chain_ ? (r_ + n_ - 1) % n_ : root_; }
 
-  bool Agrees(const FrameHeader& h) const {
-    return h.algo == Algo() && h.dtype == static_cast<uint8_t>(dtype_) && h.count == count_ &&
-           h.aux == static_cast<uint32_t>(root_);
-  }
+  FrameShape Shape() const { return {Algo(), dtype_, count_, static_cast<uint32_t>(root_)}; }
 
   Status Placement(const FrameHeader& h, int64_t* len) const {
     if (count_ == 0) {
@@ -120,15 +115,7 @@ class Broadcast : public Op {
   }
 
   FrameHeader Header(FrameKind kind, int64_t off, int64_t len) const {
-    FrameHeader h;
-    h.kind = kind;
-    h.algo = Algo();
-    h.dtype = static_cast<uint8_t>(dtype_);
-    h.aux = static_cast<uint32_t>(root_);
-    h.count = count_;
-    h.offset = off;
-    h.payload_bytes = static_cast<uint64_t>(len * esize_);
-    return h;
+    return MakeFrame(Shape(), 0, off, static_cast<uint64_t>(len * esize_), kind);
   }
 
   void SendAll(OpContext* ctx, int dst) {

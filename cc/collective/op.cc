@@ -6,23 +6,38 @@ Status Op::OnAck(OpContext*, int src, const FrameHeader&) {
   return InvalidArgument("unexpected acknowledgement from rank " + std::to_string(src));
 }
 
-Status CheckAgreement(const PeerList& peers, int src, const FrameHeader& h, Algo algo, DType dtype, int64_t count,
-                      uint32_t aux, const char* aux_name) {
+FrameHeader MakeFrame(const FrameShape& s, uint32_t tag, int64_t offset, uint64_t payload_bytes, FrameKind kind) {
+  FrameHeader h;
+  h.kind = kind;
+  h.algo = s.algo;
+  h.dtype = static_cast<uint8_t>(s.dtype);
+  h.aux = s.aux;
+  h.count = s.count;
+  h.tag = tag;
+  h.offset = offset;
+  h.payload_bytes = payload_bytes;
+  return h;
+}
+
+bool SameCollective(const FrameHeader& h, const FrameShape& s) {
+  return h.algo == s.algo && h.dtype == static_cast<uint8_t>(s.dtype) && h.count == s.count && h.aux == s.aux;
+}
+
+Status CheckAgreement(const PeerList& peers, int src, const FrameHeader& h, const FrameShape& s,
+                      const char* aux_name) {
+  if (SameCollective(h, s)) return Status::OK();  // the common case builds no message
   const std::string who = "peer " + peers.Describe(src);
-  if (h.algo != algo) {
-    return InvalidArgument(who + " runs " + AlgoName(h.algo) + ", this worker " + AlgoName(algo) +
+  if (h.algo != s.algo) {
+    return InvalidArgument(who + " runs " + AlgoName(h.algo) + ", this worker " + AlgoName(s.algo) +
                            " (different sizes or KUNGFU_RING_THRESHOLD across workers?)");
   }
-  if (h.dtype != static_cast<uint8_t>(dtype) || h.count != count) {
+  if (h.dtype != static_cast<uint8_t>(s.dtype) || h.count != s.count) {
     const char* their = IsValidDType(h.dtype) ? DTypeName(static_cast<DType>(h.dtype)) : "unknown";
     return InvalidArgument(who + " has " + std::to_string(h.count) + " " + their + " elements, this worker " +
-                           std::to_string(count) + " " + DTypeName(dtype));
+                           std::to_string(s.count) + " " + DTypeName(s.dtype));
   }
-  if (h.aux != aux) {
-    return InvalidArgument(who + " has " + aux_name + " " + std::to_string(h.aux) + ", this worker " +
-                           std::to_string(aux));
-  }
-  return Status::OK();
+  return InvalidArgument(who + " has " + aux_name + " " + std::to_string(h.aux) + ", this worker " +
+                         std::to_string(s.aux));
 }
 
 }  // namespace kungfu

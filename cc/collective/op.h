@@ -60,10 +60,23 @@ class Op {
   DoneCallback done_;
 };
 
-// Checks that a peer's frame describes the same collective as ours. The error names both sides:
+// What every frame of a collective says about it, so that peers can check they run the same one.
+struct FrameShape {
+  Algo algo;
+  DType dtype;
+  int64_t count;  // elements of the whole collective
+  uint32_t aux;   // reduce op, root, or the sender's own block size
+};
+
+// A frame of that collective.
+FrameHeader MakeFrame(const FrameShape& s, uint32_t tag, int64_t offset, uint64_t payload_bytes,
+                      FrameKind kind = FrameKind::kData);
+// Whether a peer's frame describes the same collective (the cheap test for DirectTarget).
+bool SameCollective(const FrameHeader& h, const FrameShape& s);
+// The same test with an error that names both sides:
 // "peer 127.0.0.1:10001 (rank 1) has 12 float32 elements, this worker 10".
-Status CheckAgreement(const PeerList& peers, int src, const FrameHeader& h, Algo algo, DType dtype, int64_t count,
-                      uint32_t aux, const char* aux_name);
+Status CheckAgreement(const PeerList& peers, int src, const FrameHeader& h, const FrameShape& s,
+                      const char* aux_name);
 
 // Chunk j of n over count elements: [ChunkBegin(j), ChunkBegin(j + 1)).
 inline int64_t ChunkBegin(int64_t count, int n, int j) { return count * j / n; }
