@@ -2,9 +2,12 @@
 // completion path every collective kernel uses.
 //
 // Threading: engine callbacks run on the engine's event-loop thread and must be quick (cc/engine.h,
-// design note 5). Finishing a TF kernel is not quick: done() lets the executor run successor kernels
-// inline, possibly one that waits on the engine. So every callback made here only hops to the TF
-// device's worker pool, where the kernel's status is set and done() is called, exactly once.
+// design note 5). done() is quick when the executor hands ready successors to its runner (the
+// normal case) or notifies an eager caller, so kernels finish right there. When the executor runs
+// every kernel inline (ctx->run_all_kernels_inline(), e.g. some tf.data functions), done() could run
+// a successor on the loop thread, possibly one that waits on the engine: then the callback hops to
+// the device's worker pool first. KUNGFU_KERNEL_HOP=1 forces the hop always. Either way the status
+// is set and done() called exactly once.
 #pragma once
 
 #include <functional>
@@ -52,7 +55,7 @@ absl::Status KeyOf(OpKernelContext* ctx, std::string* key);
 // The process-wide engine, or null after failing the kernel with FailedPrecondition (done() called).
 std::shared_ptr<kungfu::Engine> EngineOrFail(OpKernelContext* ctx, const AsyncOpKernel::DoneCallback& done);
 
-// Runs fn on the kernel device's worker pool (inline when the device has none).
+// Runs fn where finishing the kernel is safe: here, or on the device's worker pool (see above).
 void RunOnWorkerPool(OpKernelContext* ctx, std::function<void()> fn);
 
 // An engine callback that finishes the kernel: on a worker thread, runs then() if the engine
