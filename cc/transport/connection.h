@@ -52,7 +52,6 @@ class Connection {
   // Writes as much as the socket takes; appends the op id of each fully written frame to sent
   // (the caller reports them later, outside any op's code). Returns true when the queue is empty.
   bool Flush(std::vector<uint64_t>* sent);
-  bool HasPending() const { return !queue_.empty(); }
   // Drops the op's frames that have not started; copies the unsent rest of a partly written one, so
   // the caller may release the op's buffers now. Returns how many frames were dropped.
   int CancelOp(uint64_t op_id);

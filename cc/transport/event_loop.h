@@ -35,7 +35,6 @@ class EventLoop {
   // Runs task on the loop thread; once the loop has stopped, on the calling thread instead, so
   // that no task (and no completion callback it would call) is ever lost.
   void Post(std::function<void()> task);
-  bool InLoopThread() const { return std::this_thread::get_id() == thread_.get_id(); }
 
   // Loop thread only.
   void Add(int fd, uint32_t events, Handler handler);
