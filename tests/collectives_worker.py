@@ -10,17 +10,16 @@ each checks exact values on its own. `kill` makes the last rank SIGKILL itself i
 collective and prints how the others saw it: "KFKILL <json>".
 """
 
-import os
+import mp
 
-if os.environ.get("KF_TEST_PID_DIR"):  # first thing, so the test can kill this process on every path
-    open(os.path.join(os.environ["KF_TEST_PID_DIR"], str(os.getpid())), "w").close()
+mp.worker_started()  # first thing, so the test can kill this process on every path
 
 import json  # noqa: E402 (after the pid file on purpose)
+import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-import traceback  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -345,21 +344,7 @@ def unused_and_identical_collectives_run():
 
 
 def run_checks():
-    rank = kungfu.rank()
-    failed = 0
-    for fn in CHECKS:
-        start = time.perf_counter()
-        try:
-            fn()
-            print(f"KFCHECK {fn.__name__} OK {time.perf_counter() - start:.2f}", flush=True)
-        except Exception as e:  # report and go on: the other ranks run the same checks
-            failed += 1
-            reason = f"{type(e).__name__}: {e}".replace("\n", " | ")[:2000]
-            print(f"KFCHECK {fn.__name__} FAIL {reason}", flush=True)
-            traceback.print_exc()
-        kungfu.barrier(name=f"after/{fn.__name__}")  # keep the ranks in step between checks
-    print(f"KFDONE rank={rank} failed={failed}", flush=True)
-    return failed
+    return mp.run_checks(CHECKS, kungfu.rank())
 
 
 def run_kill():

@@ -1,0 +1,93 @@
+"""Running a worker script under kfrun from a test, and reading what it reports.
+
+A worker script prints one line per check, "KFCHECK <name> OK <seconds>" or "KFCHECK <name> FAIL
+<reason>" (kfrun prefixes each line with "[rank] "); run_checks() in a worker and checks_problems()
+in the test read them. Every process launch() starts is killed when it returns, on every path: kfrun
+runs in its own process group, and each worker writes its pid into KF_TEST_PID_DIR first thing
+(worker_started()), so leftovers are SIGKILLed with their process groups.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import traceback
+
+CHECK_LINE = re.compile(r"^\[(\d+)\] KFCHECK (\S+) (OK|FAIL) ?(.*)$")
+
+
+def worker_started():
+    """Call first thing in a worker script, before importing TensorFlow."""
+    if os.environ.get("KF_TEST_PID_DIR"):
+        open(os.path.join(os.environ["KF_TEST_PID_DIR"], str(os.getpid())), "w").close()
+
+
+def run_checks(checks, rank):
+    """Runs each function of checks, printing a KFCHECK line for it; returns how many failed."""
+    failed = 0
+    for fn in checks:
+        start = time.perf_counter()
+        try:
+            fn()
+            print(f"KFCHECK {fn.__name__} OK {time.perf_counter() - start:.2f}", flush=True)
+        except Exception as e:  # report and go on: the other ranks run the same checks
+            failed += 1
+            reason = f"{type(e).__name__}: {e}".replace("\n", " | ")[:2000]
+            print(f"KFCHECK {fn.__name__} FAIL {reason}", flush=True)
+            traceback.print_exc()
+    print(f"KFDONE rank={rank} failed={failed}", flush=True)
+    return failed
+
+
+def _kill(pid):
+    for kill in (os.killpg, os.kill):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def port_range():
+    """Engine ports of this test process: 20 ports in 12000-19999, away from kfrun's default range, so that
+    jobs running at the same time on this machine (other test runs, benchmarks) rarely pick the same port."""
+    first = 12000 + (os.getpid() % 400) * 20
+    return f"{first}-{first + 19}"
+
+
+def launch(np_, argv, pid_dir, timeout, budget, env=None):
+    """Runs `python argv...` on np_ workers under kfrun; returns (exit code, output).
+
+    timeout is the workers' KUNGFU_TIMEOUT (kfrun --timeout); budget bounds the whole launch, after
+    which the test fails with the output so far. Kills everything it started.
+    """
+    import pytest
+
+    env = dict(os.environ, **(env or {}), KF_TEST_PID_DIR=str(pid_dir), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "kungfu.launcher", "-np", str(np_), "--timeout", str(timeout), "--grace", "5",
+           "--port-range", port_range(), "--", sys.executable, *argv]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=budget)
+        return proc.returncode, out
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"kfrun -np {np_} {' '.join(argv)} did not finish within {budget} s:\n{out[-6000:]}")
+    finally:
+        _kill(proc.pid)
+        for name in os.listdir(pid_dir):
+            _kill(int(name))
+
+
+def checks_problems(out, checks, np_):
+    """The checks some rank did not report OK, one line each, with the reason; empty when all passed."""
+    results = {}  # (rank, check) -> "OK" or the failure reason
+    for line in out.splitlines():
+        m = CHECK_LINE.match(line)
+        if m:
+            results[(int(m.group(1)), m.group(2))] = "OK" if m.group(3) == "OK" else m.group(4)
+    return [f"rank {rank} {check}: {results.get((rank, check), 'no report')}"
+            for check in checks for rank in range(np_) if results.get((rank, check)) != "OK"]
