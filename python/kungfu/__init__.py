@@ -6,9 +6,12 @@
 
 Importing kungfu is cheap: it neither imports TensorFlow nor loads the library nor starts a thread.
 init() loads the library and starts the engine; the collectives (all_reduce, group_all_reduce,
-broadcast, all_gather, barrier, consensus) import TensorFlow on first access. Errors are in
-kungfu.errors. See docs/api.md.
+broadcast, all_gather, barrier, consensus) and the training API (DistributedGradientTape,
+broadcast_variables, rewrite, kungfu.optimizers, kungfu.keras) import TensorFlow on first access.
+Errors are in kungfu.errors. See docs/api.md and docs/training.md.
 """
+
+import importlib
 
 from . import errors
 from ._lib import finalize
@@ -19,14 +22,22 @@ from ._lib import rank
 from ._lib import size
 
 _COLLECTIVES = ("all_reduce", "group_all_reduce", "broadcast", "all_gather", "barrier", "consensus")
+# These need TensorFlow, so they are imported on first use (PEP 562): name -> (module, attribute).
+_LAZY = {
+    **{name: (".ops", name) for name in _COLLECTIVES},
+    "DistributedGradientTape": ("._tape", "DistributedGradientTape"),
+    "broadcast_variables": ("._variables", "broadcast_variables"),
+    "rewrite": ("._rewrite", "rewrite"),
+    "optimizers": (".optimizers", None),
+    "keras": (".keras", None),
+}
 
-__all__ = ["init", "finalize", "rank", "size", "local_rank", "local_size", "errors", *_COLLECTIVES]
+__all__ = ["init", "finalize", "rank", "size", "local_rank", "local_size", "errors", *_LAZY]
 
 
 def __getattr__(name):
-    # PEP 562: the collectives need TensorFlow, so they are imported on first use.
-    if name in _COLLECTIVES:
-        from . import ops
-
-        return getattr(ops, name)
+    if name in _LAZY:
+        module, attribute = _LAZY[name]
+        module = importlib.import_module(module, __name__)
+        return module if attribute is None else getattr(module, attribute)
     raise AttributeError(f"module 'kungfu' has no attribute {name!r}")

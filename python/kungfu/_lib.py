@@ -13,7 +13,9 @@ Threading: a lock guards loading, init and finalize; the engine itself is thread
 
 import atexit
 import ctypes
+import logging
 import os
+import sys
 import threading
 
 from . import errors
@@ -27,6 +29,8 @@ _lock = threading.RLock()
 _library = None  # _Library, once loaded
 _cluster = None  # kungfu._env.ClusterSpec of the running engine; None when not initialized
 _atexit_registered = False
+_uncaught = False  # an exception reached sys.excepthook: finalize() then skips its barrier
+_DTYPE_INT32, _OP_SUM = 2, 1  # cc/dtype.h wire values
 
 
 class _Library:
@@ -117,17 +121,49 @@ def init():
         _cluster = cluster
         if not _atexit_registered:
             atexit.register(finalize)
+            _note_uncaught_exceptions()
             _atexit_registered = True
 
 
+def _note_uncaught_exceptions():
+    previous = sys.excepthook
+
+    def hook(*exc_info):
+        global _uncaught
+        _uncaught = True
+        previous(*exc_info)
+
+    sys.excepthook = hook
+
+
 def finalize():
-    """Waits (up to the timeout) for in-flight collectives and stops the engine. Safe to call twice."""
+    """Leaves the cluster: waits until every worker has called finalize() (like MPI_Finalize), then
+    for in-flight collectives, then stops the engine. Safe to call twice; init() registers it with
+    atexit.
+
+    The wait keeps this worker's engine serving its peers until all are done: pair averaging
+    fetches models from peers' stores, and a worker that finished its steps first must not vanish
+    under the others. It is bounded by the timeout (KUNGFU_TIMEOUT), ends at once when a peer has
+    died, and is skipped when the process is exiting on an uncaught exception.
+    """
     global _cluster
     with _lock:
         if _cluster is None:
             return
+        if _cluster.size > 1 and not _uncaught:
+            _finalize_barrier()
         _cluster = None
         _library.c.kungfu_finalize()
+
+
+def _finalize_barrier():
+    one, total = ctypes.c_int32(1), ctypes.c_int32(0)
+    err = ctypes.create_string_buffer(_ERR_LEN)
+    code = _library.c.kungfu_all_reduce(ctypes.byref(one), ctypes.byref(total), 1, _DTYPE_INT32, _OP_SUM,
+                                        b"kungfu/finalize", err, _ERR_LEN)
+    if code != 0:
+        logging.getLogger("kungfu").warning("kungfu.finalize: not every worker reached finalize (%s); leaving anyway",
+                                            err.value.decode(errors="replace"))
 
 
 def initialized():

@@ -1,0 +1,11 @@
+"""Keras callbacks for distributed model.fit.
+
+    callbacks = [kungfu.keras.callbacks.BroadcastGlobalVariablesCallback(root=0),
+                 kungfu.keras.callbacks.MetricAverageCallback()]
+    model.fit(x, y, callbacks=callbacks, verbose=1 if kungfu.rank() == 0 else 0)
+"""
+
+from .broadcast_global_variables import BroadcastGlobalVariablesCallback
+from .metric_average import MetricAverageCallback
+
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback"]

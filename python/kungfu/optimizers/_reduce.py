@@ -1,0 +1,120 @@
+"""Averaging gradients over the workers: the S-SGD step, shared by the optimizer wrappers and
+DistributedGradientTape.
+
+Dense gradients are all-reduced (mean). They are split into buckets of about fusion_bytes, walking
+the list from the end, because backprop produces the last layer's gradients first: each bucket is
+one KfGroupAllReduce op with its own ordering token, so it starts as soon as its own gradients
+exist, while backprop of earlier layers goes on, and the buckets are in flight together. Inside
+an op, tensors smaller than fusion_bytes are packed into one network collective.
+
+A tf.IndexedSlices gradient (an embedding lookup's) is not densified: its indices and values are
+all-gathered (the first dimension differs between workers) and the values divided by the number of
+workers, which sums to the same dense mean. Rows that several workers touch appear more than once;
+optimizers add duplicates (ResourceScatterAdd/Sub), so the result is the dense mean.
+sparse_as_dense=True densifies instead, which is cheaper when most rows are touched anyway.
+"""
+
+import threading
+
+import tensorflow as tf
+from absl import logging
+
+from .. import _lib
+from ..ops import collective
+
+DEFAULT_FUSION_BYTES = 4 << 20  # bucket size; the ops' own packing threshold has the same default
+
+_logged = set()  # variable names whose reduction was logged; one line per variable per process
+_logged_lock = threading.Lock()
+
+
+def _log_choice(var, how):
+    name = getattr(var, "path", None) or getattr(var, "name", None) or "?"
+    with _logged_lock:
+        if name in _logged:
+            return
+        _logged.add(name)
+    if _lib.rank() == 0:
+        logging.info("kungfu: gradient of %s: %s", name, how)
+
+
+def check_fusion_bytes(fusion_bytes):
+    if fusion_bytes is None:
+        return DEFAULT_FUSION_BYTES
+    if isinstance(fusion_bytes, bool) or not isinstance(fusion_bytes, int) or fusion_bytes < 0:
+        raise ValueError(f"fusion_bytes must be an int >= 0 (0: one collective per gradient), got {fusion_bytes!r}")
+    return fusion_bytes
+
+
+def _nbytes(t):
+    n = t.shape.num_elements()
+    return (n if n is not None else 1 << 30) * t.dtype.size
+
+
+def buckets(tensors, fusion_bytes):
+    """Index lists, in backprop order (from the end of tensors), each about fusion_bytes of data."""
+    groups, current, size = [], [], 0
+    for i in reversed(range(len(tensors))):
+        nbytes = _nbytes(tensors[i])
+        if current and size + nbytes > fusion_bytes:
+            groups.append(current)
+            current, size = [], 0
+        current.append(i)
+        size += nbytes
+    if current:
+        groups.append(current)
+    return groups
+
+
+def mean_indexed_slices(g):
+    """The mean over workers of an IndexedSlices, as an IndexedSlices of every worker's rows."""
+    values = collective.all_gather(g.values)
+    indices = collective.all_gather(g.indices)
+    values = values / tf.cast(_lib.size(), values.dtype)
+    return tf.IndexedSlices(values, indices, g.dense_shape)
+
+
+def _reducible(g):
+    if g.dtype not in collective.REDUCE_DTYPES:
+        raise TypeError(f"kungfu: cannot average a gradient of dtype {g.dtype.name}; "
+                        f"supported: {', '.join(d.name for d in collective.REDUCE_DTYPES)}")
+    return g
+
+
+def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=False):
+    """The mean of each gradient over all workers; None stays None. variables (optional, same length)
+    only name the gradients in the one-time log line of how each is reduced."""
+    fusion_bytes = check_fusion_bytes(fusion_bytes)
+    variables = variables if variables is not None else [None] * len(grads)
+    out = list(grads)
+    dense = []  # indices into grads
+    for i, (g, v) in enumerate(zip(grads, variables)):
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices):
+            if sparse_as_dense:
+                out[i] = _reducible(tf.convert_to_tensor(g))
+                dense.append(i)
+                _log_choice(v, "sparse, densified and all-reduced (sparse_as_dense=True)")
+            else:
+                _reducible(g.values)
+                out[i] = mean_indexed_slices(g)
+                _log_choice(v, "sparse (IndexedSlices): all-gather of indices and values")
+        else:
+            out[i] = _reducible(tf.convert_to_tensor(g))
+            dense.append(i)
+            _log_choice(v, "dense: all-reduce")
+    for i, r in zip(dense, mean_tensors([out[i] for i in dense], fusion_bytes)):
+        out[i] = r
+    return out
+
+
+def mean_tensors(tensors, fusion_bytes=None):
+    """The mean of each dense tensor over all workers, in buckets of about fusion_bytes (see above)."""
+    fusion_bytes = check_fusion_bytes(fusion_bytes)
+    out = list(tensors)
+    for bucket in buckets(tensors, fusion_bytes):
+        reduced = collective.group_all_reduce([tensors[j] for j in bucket], op="mean", fusion_bytes=fusion_bytes)
+        for j, r in zip(bucket, reduced):
+            out[j] = r
+    return out

@@ -1,0 +1,186 @@
+"""The distributed optimizer: any Keras 3 optimizer, with a synchronisation strategy that can change
+between any two steps.
+
+How it wraps. DistributedOptimizer(opt) makes a subclass of type(opt) with DistributedMixin in
+front and builds a new instance from opt.get_config() (as Horovod does): the result *is* an Adam (or
+whatever opt was) to Keras, so model.compile, model.fit, checkpoints and learning-rate schedules
+work unchanged. The subclass keeps the base class's name and module, so a model saved with it loads
+with the plain base optimizer. Only apply() is overridden; apply_gradients() goes through it.
+
+How a step runs. apply() builds the three strategies' work as the branches of one tf.switch_case on
+a strategy variable (an int32 tf.Variable), then lets the base optimizer apply the gradients:
+  ssgd: gradients <- their mean over workers (all-reduce; sparse ones all-gathered);
+  sma:  variables move toward the workers' mean (all-reduce of the model); own gradients;
+  pair_averaging: variables averaged with a random peer's published model; own gradients; after
+        the update, the model is published (a second switch, on the same variable).
+The step function is traced once; changing the strategy is one variable assignment, with no
+retrace. The switch must happen at the same step on every worker (a collective in one branch waits
+for the same collective on every worker): set it on every worker between the same two steps, or
+from a policy, whose decisions agree across workers.
+
+With one worker, apply() is the base optimizer's: every strategy is plain local training.
+"""
+
+import tensorflow as tf
+
+from .. import _lib
+from . import _averaging
+from . import _reduce
+
+STRATEGIES = ("ssgd", "sma", "pair_averaging")
+_classes = {}  # base optimizer class -> its distributed subclass
+
+
+def strategy_index(strategy):
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    return STRATEGIES.index(strategy)
+
+
+class _Settings:
+    """KungFu's state on a wrapped optimizer. A plain object, so Keras and tf.train.Checkpoint do not
+    track the strategy variable as an optimizer variable."""
+
+    def __init__(self, strategy, alpha, fusion_bytes, sparse_as_dense):
+        with tf.init_scope(), tf.device("CPU:0"):  # may be wrapped inside a tf.function
+            self.strategy = tf.Variable(strategy_index(strategy), trainable=False, dtype=tf.int32,
+                                        name="kungfu_strategy")
+        self.alpha = alpha
+        self.fusion_bytes = fusion_bytes
+        self.sparse_as_dense = sparse_as_dense
+
+
+class DistributedMixin:
+    """Put in front of a Keras optimizer class by DistributedOptimizer(); see the module doc."""
+
+    _kungfu = None  # _Settings, set by DistributedOptimizer
+
+    @property
+    def strategy(self):
+        """The current strategy's name: "ssgd", "sma" or "pair_averaging"."""
+        return STRATEGIES[int(self._kungfu.strategy.numpy())]
+
+    @strategy.setter
+    def strategy(self, strategy):
+        self.set_strategy(strategy)
+
+    def set_strategy(self, strategy):
+        """Switches the strategy from the next step on; no retrace. Call it at the same step on every
+        worker. Works eagerly and inside tf.function (it assigns strategy_variable)."""
+        return self._kungfu.strategy.assign(strategy_index(strategy))
+
+    @property
+    def strategy_variable(self):
+        """The int32 tf.Variable holding the strategy's index in STRATEGIES, for in-graph control."""
+        return self._kungfu.strategy
+
+    @property
+    def sma_alpha(self):
+        return self._kungfu.alpha
+
+    def apply(self, grads, trainable_variables=None):
+        _lib.require_init(f"{type(self).__name__} (a kungfu distributed optimizer)")
+        grads = list(grads)
+        if not grads or _lib.size() == 1:
+            return super().apply(grads, trainable_variables)
+        if trainable_variables is None:
+            if not self.built:
+                return super().apply(grads, None)  # raises Keras's own error
+            variables = list(self._trainable_variables)
+        else:
+            variables = list(trainable_variables)
+            if not self.built:
+                with tf.name_scope(self.name):
+                    self.build(variables)
+                self.built = True
+        if len(grads) != len(variables):
+            raise ValueError(f"apply: got {len(grads)} gradients for {len(variables)} variables")
+        with tf.name_scope("kungfu"):
+            grads = self._kungfu_exchange(grads, variables)
+        super().apply(grads, variables)
+        self._kungfu_publish(variables)
+
+    def _kungfu_exchange(self, grads, variables):
+        """The strategy's work before the update; returns the gradients to apply."""
+        kf = self._kungfu
+        live = [i for i, g in enumerate(grads) if g is not None]
+        g_live, v_live = [grads[i] for i in live], [variables[i] for i in live]
+
+        def ssgd():
+            return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense)
+
+        def sma():
+            _averaging.sma_update(v_live, kf.alpha, kf.fusion_bytes)
+            return g_live
+
+        def pair():
+            _averaging.pair_average(v_live, self._kungfu_store_prefix(), self.iterations)
+            return g_live
+
+        new = tf.switch_case(kf.strategy.read_value(), [ssgd, sma, pair])
+        out = list(grads)
+        for i, g in zip(live, new):
+            out[i] = g
+        return out
+
+    def _kungfu_store_prefix(self):
+        return f"kungfu/model/{self.name}"
+
+    def _kungfu_publish(self, variables):
+        is_pair = tf.equal(self._kungfu.strategy, strategy_index("pair_averaging"))
+
+        def publish():
+            _averaging.publish(variables, self._kungfu_store_prefix())
+            return tf.constant(True)
+
+        tf.cond(is_pair, publish, lambda: tf.constant(False))
+
+
+def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=None, sparse_as_dense=False):
+    """optimizer (any Keras 3 optimizer, not yet used), distributed over the workers.
+
+    strategy: "ssgd", "sma" or "pair_averaging"; change it later with .strategy = ... or
+    .set_strategy(...). alpha: SMA's step toward the average, in (0, 1]. fusion_bytes: size of the
+    gradient buckets (default 4 MiB; 0: one collective per gradient). sparse_as_dense: all-reduce
+    IndexedSlices gradients as dense tensors instead of all-gathering them.
+    """
+    import keras
+
+    if not isinstance(optimizer, keras.optimizers.Optimizer):
+        raise TypeError(f"expected a Keras optimizer (keras.optimizers.Optimizer), got {type(optimizer).__name__}")
+    if isinstance(optimizer, DistributedMixin):
+        raise ValueError(f"{optimizer.name} is already a kungfu distributed optimizer; wrap the plain optimizer once")
+    if optimizer.built:
+        raise ValueError(f"optimizer {optimizer.name} has already been used (built); wrap it before its first step, "
+                         "e.g. model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.Adam()))")
+    strategy_index(strategy)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+        raise ValueError(f"alpha must be a number in (0, 1], got {alpha!r}")
+    fusion_bytes = _reduce.check_fusion_bytes(fusion_bytes)
+    base = type(optimizer)
+    cls = _classes.get(base)
+    if cls is None:
+        # Same name and module as the base: Keras serializes the optimizer as the base class.
+        cls = type(base.__name__, (DistributedMixin, base), {"__module__": base.__module__,
+                                                              "__qualname__": base.__qualname__})
+        _classes[base] = cls
+    wrapped = cls.from_config(optimizer.get_config())
+    wrapped._kungfu = _Settings(strategy, float(alpha), fusion_bytes, bool(sparse_as_dense))
+    return wrapped
+
+
+def SynchronousSGDOptimizer(optimizer, fusion_bytes=None, sparse_as_dense=False):
+    """Synchronous SGD: every step applies the mean of all workers' gradients (all-reduce)."""
+    return DistributedOptimizer(optimizer, "ssgd", fusion_bytes=fusion_bytes, sparse_as_dense=sparse_as_dense)
+
+
+def SynchronousAveragingOptimizer(optimizer, alpha=0.1, fusion_bytes=None):
+    """Synchronous model averaging: every step each worker moves its model a fraction alpha toward
+    the workers' average model, then applies its own gradients."""
+    return DistributedOptimizer(optimizer, "sma", alpha=alpha, fusion_bytes=fusion_bytes)
+
+
+def PairAveragingOptimizer(optimizer, fusion_bytes=None):
+    """Asynchronous decentralised SGD (AD-PSGD): every step each worker averages its model with that
+    of one random peer, fetched from the peer's model store without waiting for the peer."""
+    return DistributedOptimizer(optimizer, "pair_averaging", fusion_bytes=fusion_bytes)

@@ -1,0 +1,39 @@
+"""Distributed training across real worker processes started by kfrun; see tests/training_worker.py.
+
+S-SGD must match one process on the combined batch (model.fit, custom loops, eager and compiled)
+on 2 and 4 workers; the strategy switch must not retrace; sparse gradients must equal densified
+ones; SMA and pair averaging must learn scikit-learn's digits on 4 workers.
+"""
+
+import os
+import re
+
+import pytest
+
+from conftest import REPO
+from mp import checks_problems, launch
+
+pytestmark = pytest.mark.usefixtures("kungfu_library")
+
+WORKER = os.path.join(REPO, "tests", "training_worker.py")
+EQUIVALENCE = ["fit_equals_single_process", "custom_loop_equals_single_process", "strategy_switch_without_retrace",
+               "indexed_slices_equal_densified", "metric_average_callback_agrees"]
+DIGITS = ["sma_digits", "pair_averaging_digits"]
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_ssgd_equivalence_and_switch(np_, tmp_path):
+    code, out = launch(np_, [WORKER, "equivalence"], tmp_path, timeout=60, budget=400)
+    problems = checks_problems(out, EQUIVALENCE, np_)
+    assert not problems, "\n".join(problems) + "\n--- output tail ---\n" + out[-4000:]
+    assert code == 0, out[-4000:]
+
+
+def test_model_averaging_learns_digits(tmp_path):
+    code, out = launch(4, [WORKER, "digits"], tmp_path, timeout=60, budget=400)
+    problems = checks_problems(out, DIGITS, 4)
+    assert not problems, "\n".join(problems) + "\n--- output tail ---\n" + out[-4000:]
+    assert code == 0, out[-4000:]
+    for line in out.splitlines():  # shown with -s / on failure: how well each strategy did
+        if re.match(r"^\[\d+\] KFDIGITS", line):
+            print(line)

@@ -1,0 +1,269 @@
+"""The worker of test_training_mp.py, started N times by kfrun. Not a test module itself.
+
+    python -m kungfu.launcher -np N -- python tests/training_worker.py equivalence
+    python -m kungfu.launcher -np 4 -- python tests/training_worker.py digits
+
+Prints one "KFCHECK <name> OK|FAIL ..." line per check (tests/mp.py).
+
+`equivalence`: S-SGD on N workers, each on its shard of every global batch, must end with the
+weights of one process trained on the whole global batches (within 1e-5 after 20 steps), for
+model.fit, for a custom loop with DistributedGradientTape, and for opt.apply_gradients in a
+tf.function and eagerly. Each worker computes that single-process reference itself, without the
+cluster. Workers build their models from different seeds, so the fit check also shows that
+BroadcastGlobalVariablesCallback makes them start identical. Also: a strategy switch between steps
+without retracing, IndexedSlices against densified gradients, and MetricAverageCallback.
+
+`digits`: SMA and pair averaging reach 90% test accuracy on scikit-learn's digits, and the workers'
+models end close to each other.
+"""
+
+import mp
+
+mp.worker_started()  # first thing, so the test can kill this process on every path
+
+import sys  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kungfu  # noqa: E402
+from kungfu.keras import callbacks as kf_callbacks  # noqa: E402
+from kungfu.optimizers import _reduce  # noqa: E402
+
+STEPS, LOCAL_BATCH, FEATURES, CLASSES = 20, 8, 12, 5
+TOLERANCE = 1e-5
+
+
+def dataset(size):
+    """STEPS global batches of size * LOCAL_BATCH rows, the same on every process."""
+    rng = np.random.RandomState(7)
+    x = rng.normal(size=(STEPS * size * LOCAL_BATCH, FEATURES)).astype(np.float32)
+    y = rng.randint(0, CLASSES, size=len(x)).astype(np.int64)
+    return x, y
+
+
+def shard(a, rank, size):
+    """This worker's rows of every global batch: rows [r*b, (r+1)*b) of each block of size*b."""
+    blocks = a.reshape(STEPS, size, LOCAL_BATCH, *a.shape[1:])
+    return blocks[:, rank].reshape(STEPS * LOCAL_BATCH, *a.shape[1:])
+
+
+def make_model(seed):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(16, activation="tanh"),
+                             keras.layers.Dense(CLASSES)])
+
+
+def loss_fn():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def reference_weights(make_optimizer, seed=100):
+    """One process, no cluster, plain optimizer, on the whole global batches."""
+    x, y = dataset(kungfu.size())
+    model = make_model(seed)
+    model.compile(optimizer=make_optimizer(), loss=loss_fn())
+    model.fit(x, y, batch_size=kungfu.size() * LOCAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def assert_close(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want)):
+        err = float(np.max(np.abs(np.asarray(g) - np.asarray(w)))) if np.size(w) else 0.0
+        if not err <= TOLERANCE:
+            raise AssertionError(f"{what}: weight {i} differs from the single-process reference by {err:g}")
+
+
+def local_data():
+    x, y = dataset(kungfu.size())
+    return shard(x, kungfu.rank(), kungfu.size()), shard(y, kungfu.rank(), kungfu.size())
+
+
+def sgd():
+    return keras.optimizers.SGD(0.1, momentum=0.9)
+
+
+def adam():
+    return keras.optimizers.Adam(0.01)
+
+
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+@check
+def fit_equals_single_process():
+    for make_optimizer in (sgd, adam):
+        x, y = local_data()
+        model = make_model(100 + kungfu.rank())  # different on every worker until the broadcast
+        model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(make_optimizer()), loss=loss_fn())
+        model.fit(x, y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[kf_callbacks.BroadcastGlobalVariablesCallback(root=0)])
+        assert_close(model.get_weights(), reference_weights(make_optimizer), f"model.fit, {make_optimizer.__name__}")
+
+
+def _train_custom(step, model):
+    x, y = local_data()
+    for t in range(STEPS):
+        step(x[t * LOCAL_BATCH:(t + 1) * LOCAL_BATCH], y[t * LOCAL_BATCH:(t + 1) * LOCAL_BATCH])
+    assert_close(model.get_weights(), reference_weights(adam), step.__name__)
+
+
+@check
+def custom_loop_equals_single_process():
+    model, opt, loss = make_model(100), adam(), loss_fn()
+
+    @tf.function
+    def tape_step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        tape = kungfu.DistributedGradientTape(tape)
+        grads = tape.gradient(value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    _train_custom(tape_step, model)
+
+    for compiled in (True, False):
+        model, loss = make_model(100), loss_fn()
+        opt = kungfu.optimizers.SynchronousSGDOptimizer(adam())
+
+        def wrapper_step(x, y):
+            with tf.GradientTape() as tape:
+                value = loss(y, model(x, training=True))
+            grads = tape.gradient(value, model.trainable_variables)
+            opt.apply_gradients(zip(grads, model.trainable_variables))
+
+        wrapper_step.__name__ = "apply_gradients in tf.function" if compiled else "apply_gradients eagerly"
+        _train_custom(tf.function(wrapper_step) if compiled else wrapper_step, model)
+
+
+@check
+def strategy_switch_without_retrace():
+    x, y = local_data()
+    model, loss = make_model(100), loss_fn()
+    opt = kungfu.optimizers.SynchronousSGDOptimizer(sgd())
+    traces, losses = [], []
+
+    @tf.function
+    def step(x, y):
+        traces.append(1)
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        grads = tape.gradient(value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return value
+
+    schedule = ["ssgd"] * 5 + ["sma"] * 5 + ["pair_averaging"] * 5 + ["ssgd"] * 5
+    for t, strategy in enumerate(schedule):
+        opt.strategy = strategy
+        losses.append(float(step(x[:LOCAL_BATCH], y[:LOCAL_BATCH])))  # one batch over and over: the loss must fall
+        if t == 0:
+            first = len(traces)  # the first call traces twice: it creates the optimizer's variables
+    if len(traces) != first:
+        raise AssertionError(f"the step was traced {len(traces) - first} more times after its first call; "
+                             "switching strategies must not retrace")
+    if opt.strategy != "ssgd" or int(opt.iterations.numpy()) != len(schedule):
+        raise AssertionError(f"strategy {opt.strategy}, {int(opt.iterations.numpy())} iterations")
+    if not all(np.isfinite(losses)) or not np.mean(losses[-5:]) < np.mean(losses[:5]):
+        raise AssertionError(f"training did not go on across the switches: losses {losses}")
+
+
+@check
+def indexed_slices_equal_densified():
+    rank = kungfu.rank()
+    table = tf.Variable(tf.zeros([10, 3]))
+    ids = tf.constant([rank % 10, (3 * rank + 1) % 10, rank % 10])  # a repeated row, rows shared across workers
+
+    def grads():
+        with tf.GradientTape() as tape:
+            value = tf.reduce_sum(tf.gather(table, ids) * float(rank + 1))
+        return tape.gradient(value, [table])
+
+    def reduce_three_ways():
+        g = grads()
+        if not isinstance(g[0], tf.IndexedSlices):
+            raise AssertionError(f"expected an IndexedSlices gradient, got {type(g[0]).__name__}")
+        sparse = _reduce.mean_gradients(g, [table])[0]
+        if not isinstance(sparse, tf.IndexedSlices):
+            raise AssertionError("the sparse path densified the gradient")
+        as_dense = _reduce.mean_gradients(g, [table], sparse_as_dense=True)[0]
+        dense = kungfu.all_reduce(tf.convert_to_tensor(g[0]), op="mean")
+        return tf.convert_to_tensor(sparse), as_dense, dense
+
+    for how, fn in (("eagerly", reduce_three_ways), ("in tf.function", tf.function(reduce_three_ways))):
+        sparse, as_dense, dense = fn()
+        np.testing.assert_allclose(sparse.numpy(), dense.numpy(), rtol=1e-6, atol=1e-6, err_msg=f"sparse {how}")
+        np.testing.assert_allclose(as_dense.numpy(), dense.numpy(), rtol=1e-6, atol=1e-6, err_msg=f"dense {how}")
+
+
+@check
+def metric_average_callback_agrees():
+    x, y = local_data()
+    model = make_model(100)
+    model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(sgd()), loss=loss_fn())
+    history = model.fit(x, y, batch_size=LOCAL_BATCH, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[kf_callbacks.MetricAverageCallback()])
+    value = np.array(history.history["loss"], np.float64)
+    if not bool(kungfu.consensus(value)):
+        raise AssertionError(f"MetricAverageCallback: workers logged different losses: {value}")
+
+
+def digits_shards():
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    order = np.random.RandomState(0).permutation(len(x))  # the same split on every worker
+    x, y = (x[order] / 16.0).astype(np.float32), y[order]
+    x_train, y_train, x_test, y_test = x[:1500], y[:1500], x[1500:], y[1500:]
+    return x_train[kungfu.rank()::kungfu.size()], y_train[kungfu.rank()::kungfu.size()], x_test, y_test
+
+
+def digits_model():
+    keras.utils.set_random_seed(kungfu.rank())
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                             keras.layers.Dense(10)])
+
+
+def train_digits(optimizer):
+    x, y, x_test, y_test = digits_shards()
+    model = digits_model()
+    model.compile(optimizer=optimizer, loss=loss_fn(), metrics=["accuracy"])
+    model.fit(x, y, batch_size=32, epochs=15, verbose=0,
+              callbacks=[kf_callbacks.BroadcastGlobalVariablesCallback(root=0)])
+    _, accuracy = model.evaluate(x_test, y_test, verbose=0)
+    flat = np.concatenate([w.ravel() for w in model.get_weights()])
+    mean = kungfu.all_reduce(flat, op="mean").numpy()
+    spread = float(kungfu.all_reduce(np.array([np.linalg.norm(flat - mean) / np.linalg.norm(mean)]), op="max")[0])
+    print(f"KFDIGITS {optimizer.strategy} accuracy={accuracy:.4f} spread={spread:.4f}", flush=True)
+    if accuracy < 0.9:
+        raise AssertionError(f"test accuracy {accuracy:.3f} < 0.9")
+    if spread > 0.1:
+        raise AssertionError(f"the workers' models are {spread:.3f} apart (relative L2 to their mean), above 0.1")
+
+
+DIGITS_CHECKS = []
+
+
+@DIGITS_CHECKS.append
+def sma_digits():
+    train_digits(kungfu.optimizers.SynchronousAveragingOptimizer(keras.optimizers.Adam(0.01), alpha=0.1))
+
+
+@DIGITS_CHECKS.append
+def pair_averaging_digits():
+    train_digits(kungfu.optimizers.PairAveragingOptimizer(keras.optimizers.Adam(0.01)))
+
+
+def main():
+    kungfu.init()
+    checks = CHECKS if sys.argv[1] == "equivalence" else DIGITS_CHECKS
+    sys.exit(1 if mp.run_checks(checks, kungfu.rank()) else 0)
+
+
+if __name__ == "__main__":
+    main()
