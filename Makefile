@@ -56,7 +56,7 @@ build:
 # ---- engine tests, no TensorFlow -------------------------------------------------------------
 # The engine must not include TensorFlow, so this one target names its own -std.
 
-CC_TEST_SRCS := $(wildcard cc/*.cc cc/transport/*.cc cc/collective/*.cc cc/tests/*.cc)
+CC_TEST_SRCS := $(wildcard cc/*.cc cc/transport/*.cc cc/collective/*.cc cc/p2p/*.cc cc/tests/*.cc)
 CC_TEST_OBJS := $(patsubst %.cc,build/cc/obj/%.o,$(CC_TEST_SRCS))
 CC_TEST_BIN := build/cc/kungfu_cc_tests
 CC_TEST_FLAGS := -std=c++17 -O2 -pthread -Wall -I.

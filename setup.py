@@ -1,6 +1,6 @@
 """Builds kungfu/_kungfu.so and installs the kungfu package:  pip install --no-build-isolation .
 
-The library holds the engine (cc/, cc/transport/, cc/collective/) and the TensorFlow kernels
+The library holds the engine (cc/, cc/transport/, cc/collective/, cc/p2p/) and the TensorFlow kernels
 (kf_ops/). Its flags come from tools/tf_config.py (tf.sysconfig), as Bazel's do. Objects are kept
 under build/ and recompiled only when their source, a header they include (from the compiler's .d
 files) or the flags change, up to one compiler per core at a time. Python sources come from
@@ -21,7 +21,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import tf_config  # noqa: E402  (tools/ is not a package)
 
-SOURCE_GLOBS = ["cc/*.cc", "cc/transport/*.cc", "cc/collective/*.cc", "kf_ops/*.cc"]
+SOURCE_GLOBS = ["cc/*.cc", "cc/transport/*.cc", "cc/collective/*.cc", "cc/p2p/*.cc", "kf_ops/*.cc"]
 OPT_FLAGS = ["-O3", "-DNDEBUG", "-fPIC", "-pthread"]  # Bazel: -c opt --copt=-O3 (.bazelrc)
 
 

@@ -119,6 +119,7 @@ void Engine::Impl::AddConnection(Fd fd, int peer, bool outgoing) {
     if (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) c->OnReadable();
     CheckBroken(c);
   });
+  if (outgoing) p2p_.OnConnected(peer);  // answer peer-to-peer requests that came before this connection
 }
 
 void Engine::Impl::Shutdown() {
@@ -127,12 +128,15 @@ void Engine::Impl::Shutdown() {
   // Let in-flight collectives finish (bounded by the timeout), then cancel what is left, then give
   // queued sends a moment to drain so peers receive what we owe them.
   const Deadline deadline = DeadlineAfter(config_.timeout_seconds);
-  while (stats_.in_flight > 0 && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  while ((stats_.in_flight > 0 || requests_in_flight_ > 0) && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
   std::unique_lock<std::mutex> lock(mu_);
   loop_.Post([this] {
     std::vector<uint64_t> ids;
     for (auto& [key, a] : ops_) ids.push_back(a.op->id);
     for (uint64_t id : ids) Fail(id, Cancelled("the engine is shutting down"), false);
+    p2p_.CancelAll(Cancelled("the engine is shutting down"));
     flushing_ = true;
   });
   cv_.wait_until(lock, DeadlineAfter(std::min(config_.timeout_seconds, 10.0)), [this] { return flushed_; });

@@ -13,6 +13,8 @@
 //     collective at once, naming the peer; later collectives fail immediately.
 //  5. Callbacks run on the loop thread: they must be quick and must not call back into a blocking wait.
 //  6. Buffers passed in must stay valid and unmodified until the callback runs.
+//  7. Peer-to-peer (cc/p2p/): each worker keeps a store of named tensors (Save); any worker can fetch
+//     one peer's latest copy (Request) without that peer's caller taking part: its loop thread answers.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +53,8 @@ struct EngineStats {
 };
 
 using DoneCallback = std::function<void(const Status&)>;
+// A peer-to-peer request's completion: the status, and the version of the copy received (-1: none).
+using RequestCallback = std::function<void(const Status&, int64_t version)>;
 
 class Engine {
  public:
@@ -80,6 +84,21 @@ class Engine {
   void Barrier(const std::string& name, DoneCallback done);
   // *same = whether every worker passed the same bytes (compared by SHA-256 digest and length).
   void Consensus(const void* data, int64_t nbytes, bool* same, const std::string& name, DoneCallback done);
+
+  // ---- Peer-to-peer (cc/p2p/) ----
+  // Copies count elements of data into this worker's store under name, replacing the previous copy
+  // (only the latest is kept). Versions count the saves of each name from 0; *version, if given,
+  // receives this one's. Synchronous and thread-safe; InvalidArgument for a bad name, dtype or count.
+  Status Save(const std::string& name, const void* data, int64_t count, DType dtype, uint32_t shape_sig = 0,
+              int64_t* version = nullptr);
+  // Fetches peer's latest copy of name into out (count elements). done(OK, version) when it came;
+  // done(OK, -1) with out untouched when peer has saved nothing under name; InvalidArgument naming
+  // both sides when the copy's dtype, count or shape_sig differ; Unavailable naming the peer when it
+  // is gone; DeadlineExceeded after the timeout. Any number may be in flight, for any names. A request
+  // to this worker itself is answered from its own store on the calling thread, before this returns.
+  // Otherwise done runs on the loop thread; out must stay valid until it has run.
+  void Request(int peer, const std::string& name, void* out, int64_t count, DType dtype, uint32_t shape_sig,
+               RequestCallback done);
 
   EngineStats stats() const;
   void ResetStats();

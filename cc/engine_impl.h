@@ -3,6 +3,8 @@
 //  - acceptor_ (one thread) accepts and authenticates incoming connections, then posts them to the loop.
 //  - API calls from any thread build an Op and post it; callbacks run on the loop thread.
 //  - stats_ are atomics, readable from any thread.
+//  - store_ (the peer-to-peer variable store) is thread-safe; p2p_ (requests in flight, serving) is
+//    loop-thread state like ops_. Their glue to the engine is in cc/p2p/engine_p2p.cc.
 #pragma once
 
 #include <atomic>
@@ -18,6 +20,8 @@
 
 #include "cc/collective/op.h"
 #include "cc/engine.h"
+#include "cc/p2p/p2p.h"
+#include "cc/p2p/store.h"
 #include "cc/transport/connection.h"
 #include "cc/transport/event_loop.h"
 #include "cc/transport/handshake.h"
@@ -25,7 +29,7 @@
 
 namespace kungfu {
 
-class Engine::Impl : public FrameSink, public OpContext {
+class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
  public:
   explicit Impl(const EngineConfig& config);
   ~Impl() override;
@@ -41,6 +45,14 @@ class Engine::Impl : public FrameSink, public OpContext {
   int size() const override { return config_.peers.size(); }
   const EngineConfig& config() const override { return config_; }
   void Send(Op* op, int dst, FrameHeader h, const void* data) override;
+
+  // Peer-to-peer (cc/p2p/engine_p2p.cc).
+  VariableStore& store() { return store_; }
+  void SubmitRequest(PeerRequest r);  // any thread
+  bool SendFrame(int dst, FrameHeader h, const std::string& name, const void* data,
+                 std::shared_ptr<const void> keep) override;
+  Status PeerStatus(int peer) const override;
+  void AbandonTarget(int peer, uint64_t owner) override;
 
   // FrameSink (from connections, loop thread).
   char* PayloadTarget(int src, const FrameHeader& h, const std::string& name, bool* discard,
@@ -97,6 +109,9 @@ class Engine::Impl : public FrameSink, public OpContext {
   Status first_dead_;
   uint64_t next_op_id_ = 1;
   std::vector<uint64_t> sent_;  // ops whose frames were written, to report outside op code
+  VariableStore store_;         // thread-safe: saves come from any thread
+  PeerToPeer p2p_{this, &store_};
+  std::atomic<int64_t> requests_in_flight_{0};  // submitted to the loop, callback not yet returned
 
   // Shutdown handshake with the loop.
   std::mutex mu_;

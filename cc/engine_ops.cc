@@ -71,6 +71,9 @@ void Engine::Impl::Dispatch(ActiveOp& a, int src, const FrameHeader& h, const ch
     case FrameKind::kAck:
       s = op->OnAck(this, src, h);
       break;
+    case FrameKind::kRequest:
+    case FrameKind::kResponse:
+      return;  // peer-to-peer frames never reach a collective (OnFrame routes them to p2p_)
     case FrameKind::kAbort: {
       const int code = static_cast<int>(h.tag);
       const Code c = code >= 1 && code <= 14 ? static_cast<Code>(code) : Code::kUnknown;
@@ -179,6 +182,7 @@ void Engine::Impl::OnSendDone(uint64_t op_id) {
 
 char* Engine::Impl::PayloadTarget(int src, const FrameHeader& h, const std::string& name, bool* discard,
                                   uint64_t* owner) {
+  if (h.kind == FrameKind::kResponse) return p2p_.PayloadTarget(src, h, discard, owner);
   if (h.kind != FrameKind::kData) return nullptr;
   const Key key(name, h.generation);
   auto it = ops_.find(key);
@@ -207,7 +211,11 @@ char* Engine::Impl::PayloadTarget(int src, const FrameHeader& h, const std::stri
 
 void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char* data,
                            std::unique_ptr<char[]> owned) {
-  if (h.kind == FrameKind::kData) stats_.bytes_received += static_cast<int64_t>(h.payload_bytes);
+  if (h.kind == FrameKind::kData || h.kind == FrameKind::kResponse) {
+    stats_.bytes_received += static_cast<int64_t>(h.payload_bytes);
+  }
+  if (h.kind == FrameKind::kRequest) return p2p_.OnRequest(src, h, name);
+  if (h.kind == FrameKind::kResponse) return p2p_.OnResponse(src, h, data);
   const Key key(std::move(name), h.generation);
   auto it = ops_.find(key);
   if (h.cluster_version != config_.peers.version()) {
@@ -238,12 +246,13 @@ void Engine::Impl::OnConnectionError(int peer, const Status& s) {
   dead_[peer] = Unavailable("peer " + config_.peers.Describe(peer) + ": " + s.message());
   if (first_dead_.ok()) first_dead_ = dead_[peer];
   // A peer that leaves while nothing is in flight has simply finished; say more only when it hurts.
-  if (!stopping_ && !ops_.empty()) {
+  if (!stopping_ && (!ops_.empty() || !p2p_.idle())) {
     KF_LOG(Warning) << "rank " << rank() << ": " << dead_[peer].message() << "; failing " << ops_.size()
-                    << " collective(s) in flight";
+                    << " collective(s) and the requests to it in flight";
   } else {
     KF_LOG(Info) << "rank " << rank() << ": " << dead_[peer].message();
   }
+  p2p_.OnPeerGone(peer, dead_[peer]);
   std::vector<uint64_t> ids;
   for (auto& [key, a] : ops_) ids.push_back(a.op->id);
   for (uint64_t id : ids) Fail(id, dead_[peer], false);
@@ -280,12 +289,13 @@ int Engine::Impl::AfterEvents() {
                           progress),
          false);
   }
+  p2p_.ExpireOverdue(now);
   if (flushing_ && !pending_writes) {
     std::lock_guard<std::mutex> lock(mu_);
     flushed_ = true;
     cv_.notify_all();
   }
-  if (ops_.empty() && !pending_writes) return flushing_ ? 10 : -1;
+  if (ops_.empty() && p2p_.idle() && !pending_writes) return flushing_ ? 10 : -1;
   return 20;
 }
 

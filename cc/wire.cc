@@ -26,6 +26,7 @@ const char* AlgoName(Algo a) {
     case Algo::kBroadcastChain: return "broadcast/chain";
     case Algo::kAllGather: return "allgather";
     case Algo::kAllReduceDoubling: return "allreduce/doubling";
+    case Algo::kPeerToPeer: return "p2p";
   }
   return "unknown";
 }
@@ -59,11 +60,11 @@ Status DecodeFrameHeader(const uint8_t* in, FrameHeader* h, uint32_t* name_len) 
                            std::to_string(kProtocolVersion));
   }
   const uint8_t kind = Get<uint8_t>(in, 6);
-  if (kind < 1 || kind > 3) return InvalidArgument("bad frame kind " + std::to_string(kind));
+  if (kind < 1 || kind > kLastFrameKind) return InvalidArgument("bad frame kind " + std::to_string(kind));
   h->kind = static_cast<FrameKind>(kind);
   h->dtype = Get<uint8_t>(in, 7);
   const uint8_t algo = Get<uint8_t>(in, 8);
-  if (algo < 1 || algo > 6) return InvalidArgument("bad algorithm id " + std::to_string(algo));
+  if (algo < 1 || algo > kLastAlgo) return InvalidArgument("bad algorithm id " + std::to_string(algo));
   h->algo = static_cast<Algo>(algo);
   h->aux = Get<uint32_t>(in, 12);
   h->cluster_version = Get<uint32_t>(in, 16);

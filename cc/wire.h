@@ -10,7 +10,8 @@
 namespace kungfu {
 
 constexpr uint32_t kFrameMagic = 0x474e464b;  // "KFNG"
-constexpr uint16_t kProtocolVersion = 1;
+// 2: adds the peer-to-peer REQUEST and RESPONSE frames (and their algorithm id).
+constexpr uint16_t kProtocolVersion = 2;
 constexpr size_t kFrameHeaderSize = 64;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint64_t kMaxPayloadBytes = uint64_t{64} << 20;  // pieces are at most chunk_bytes
@@ -20,7 +21,13 @@ enum class FrameKind : uint8_t {
   kData = 1,   // a piece of a collective's payload
   kAbort = 2,  // the sender failed this collective; tag = status code, payload = message
   kAck = 3,    // the sender finished its part (broadcast); no payload
+  // Peer-to-peer (cc/p2p/): the same header layout, some fields read differently (P2PStatus below).
+  kRequest = 4,   // asks for the receiver's saved copy of `name`; no payload. tag = request id;
+                  // dtype, count and shape_sig: what the requester expects
+  kResponse = 5,  // answers one request: tag = its id, aux = P2PStatus, generation = the copy's version;
+                  // dtype, count, shape_sig: the copy's; offset and payload: one piece of its data
 };
+constexpr uint8_t kLastFrameKind = 5;
 
 // Which collective algorithm produced the frame. Peers must agree; a mismatch is InvalidArgument.
 enum class Algo : uint8_t {
@@ -30,6 +37,15 @@ enum class Algo : uint8_t {
   kBroadcastChain = 4,
   kAllGather = 5,
   kAllReduceDoubling = 6,
+  kPeerToPeer = 7,  // REQUEST and RESPONSE frames
+};
+constexpr uint8_t kLastAlgo = 7;
+
+// aux of a RESPONSE frame.
+enum class P2PStatus : uint32_t {
+  kFound = 0,     // pieces of the data follow, in offset order (one frame, no payload, when empty)
+  kNotFound = 1,  // nothing saved under the name; no payload
+  kMismatch = 2,  // saved, but dtype/count/shape_sig differ from the request's; the header describes the copy
 };
 const char* AlgoName(Algo a);
 
@@ -37,11 +53,13 @@ struct FrameHeader {
   FrameKind kind = FrameKind::kData;
   uint8_t dtype = 0;
   Algo algo = Algo::kAllReduceStar;
-  uint32_t aux = 0;              // reduce op (allreduce), root (broadcast), own count check (allgather)
+  uint32_t aux = 0;              // reduce op (allreduce), root (broadcast), own count check (allgather),
+                                 // P2PStatus (response)
   uint32_t cluster_version = 0;  // membership version the sender works under
-  uint32_t tag = 0;              // algorithm step
+  uint32_t tag = 0;              // algorithm step; request id (p2p)
   uint32_t shape_sig = 0;        // hash of the sender's tensor shape (0: not checked)
-  uint64_t generation = 0;       // how many times the sender had started this name before
+  uint64_t generation = 0;       // how many times the sender had started this name before; the saved
+                                 // copy's version (response)
   int64_t count = 0;             // the sender's element count for the whole collective
   int64_t offset = 0;            // element offset of this payload within the collective
   uint64_t payload_bytes = 0;

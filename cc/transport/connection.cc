@@ -151,6 +151,12 @@ void Connection::EnqueueOwned(const FrameHeader& h, const std::string& name, std
   queue_.back().owned = std::move(data);
 }
 
+void Connection::EnqueueShared(const FrameHeader& h, const std::string& name, const void* data,
+                               std::shared_ptr<const void> keep) {
+  Enqueue(h, name, data, 0);
+  queue_.back().keep = std::move(keep);
+}
+
 bool Connection::Flush(std::vector<uint64_t>* sent) {
   while (!broken_ && !queue_.empty()) {
     iovec iov[kMaxIov];
@@ -218,7 +224,7 @@ int Connection::CancelOp(uint64_t op_id) {
       continue;
     }
     // Partly written: the peer expects the rest of this frame. Keep our own copy of the payload.
-    if (!it->owned && it->len > 0) {
+    if (!it->owned && !it->keep && it->len > 0) {
       it->owned.reset(new char[it->len]);
       std::memcpy(it->owned.get(), it->data, it->len);
       it->data = it->owned.get();

@@ -49,6 +49,9 @@ class Connection {
   void Enqueue(const FrameHeader& h, const std::string& name, const void* data, uint64_t op_id);
   // Same, but the connection owns the payload.
   void EnqueueOwned(const FrameHeader& h, const std::string& name, std::unique_ptr<char[]> data, uint64_t op_id);
+  // Same, but keep holds data alive until the frame is written or dropped (a peer-to-peer response
+  // sends from an immutable saved copy that a newer save may replace meanwhile).
+  void EnqueueShared(const FrameHeader& h, const std::string& name, const void* data, std::shared_ptr<const void> keep);
   // Writes as much as the socket takes; appends the op id of each fully written frame to sent
   // (the caller reports them later, outside any op's code). Returns true when the queue is empty.
   bool Flush(std::vector<uint64_t>* sent);
@@ -65,6 +68,7 @@ class Connection {
     const char* data = nullptr;
     uint64_t len = 0;
     std::unique_ptr<char[]> owned;
+    std::shared_ptr<const void> keep;  // keeps data alive instead of owned (EnqueueShared)
     uint64_t written = 0;  // of header + name + payload
     uint64_t op_id = 0;
     uint64_t total() const { return kFrameHeaderSize + name.size() + len; }
