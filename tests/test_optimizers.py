@@ -1,0 +1,145 @@
+"""The training API on one process (a cluster of size 1): argument errors, the strategy switch,
+Keras integration (compile, fit, save and load), DistributedGradientTape, broadcast_variables,
+the callbacks and the gradient buckets. Multi-worker behaviour is in test_training_mp.py.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kungfu
+from kungfu import optimizers
+from kungfu.keras import callbacks
+from kungfu.optimizers import _reduce
+
+pytestmark = pytest.mark.usefixtures("kungfu_library")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cluster_of_one():
+    kungfu.init()
+
+
+def model_and_data(seed=3):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+    rng = np.random.RandomState(seed)
+    return model, rng.normal(size=(64, 5)).astype(np.float32), rng.normal(size=(64, 2)).astype(np.float32)
+
+
+def test_wrapper_is_the_base_optimizer_with_its_config():
+    base = keras.optimizers.Adam(learning_rate=0.003, beta_1=0.8)
+    opt = optimizers.SynchronousSGDOptimizer(base)
+    assert isinstance(opt, keras.optimizers.Adam) and isinstance(opt, optimizers.DistributedMixin)
+    assert opt is not base
+    assert opt.get_config() == base.get_config()
+    assert opt.strategy == "ssgd"
+    assert optimizers.SynchronousAveragingOptimizer(keras.optimizers.SGD(), alpha=0.5).strategy == "sma"
+    assert optimizers.SynchronousAveragingOptimizer(keras.optimizers.SGD(), alpha=0.5).sma_alpha == 0.5
+    assert optimizers.PairAveragingOptimizer(keras.optimizers.SGD()).strategy == "pair_averaging"
+
+
+@pytest.mark.parametrize("call, error, words", [
+    (lambda: optimizers.SynchronousSGDOptimizer(object()), TypeError, "Keras optimizer"),
+    (lambda: optimizers.SynchronousSGDOptimizer("adam"), TypeError, "Keras optimizer"),
+    (lambda: optimizers.SynchronousSGDOptimizer(optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD())),
+     ValueError, "already"),
+    (lambda: optimizers.DistributedOptimizer(keras.optimizers.SGD(), strategy="allreduce"), ValueError, "pair_averaging"),
+    (lambda: optimizers.SynchronousAveragingOptimizer(keras.optimizers.SGD(), alpha=0), ValueError, "alpha"),
+    (lambda: optimizers.SynchronousAveragingOptimizer(keras.optimizers.SGD(), alpha=1.5), ValueError, "alpha"),
+    (lambda: optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(), fusion_bytes=-1), ValueError, "fusion_bytes"),
+    (lambda: kungfu.DistributedGradientTape(object()), TypeError, "GradientTape"),
+])
+def test_bad_arguments_say_what_is_wrong(call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+def test_wrapping_a_used_optimizer_is_refused():
+    model, _, _ = model_and_data()
+    opt = keras.optimizers.SGD()
+    opt.build(model.trainable_variables)
+    with pytest.raises(ValueError, match="wrap it before its first step"):
+        optimizers.SynchronousSGDOptimizer(opt)
+
+
+def test_strategy_switch_eagerly_and_in_a_function():
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD())
+    opt.strategy = "sma"
+    assert opt.strategy == "sma" and int(opt.strategy_variable.numpy()) == optimizers.STRATEGIES.index("sma")
+    tf.function(lambda: opt.set_strategy("pair_averaging"))()
+    assert opt.strategy == "pair_averaging"
+    with pytest.raises(ValueError, match="unknown strategy"):
+        opt.strategy = "async"
+    assert opt.strategy == "pair_averaging"
+
+
+@pytest.mark.parametrize("strategy", optimizers.STRATEGIES)
+def test_fit_on_one_worker_equals_the_plain_optimizer(strategy):
+    weights = []
+    for wrap in (False, True):
+        model, x, y = model_and_data()
+        opt = keras.optimizers.Adam(0.01)
+        if wrap:
+            opt = optimizers.DistributedOptimizer(opt, strategy=strategy)
+        model.compile(optimizer=opt, loss="mse")
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[callbacks.BroadcastGlobalVariablesCallback(), callbacks.MetricAverageCallback()]
+                  if wrap else [])
+        weights.append(model.get_weights())
+    for a, b in zip(*weights):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_saved_model_loads_with_the_base_optimizer(tmp_path):
+    model, x, y = model_and_data()
+    model.compile(optimizer=optimizers.SynchronousSGDOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    model.fit(x, y, epochs=1, verbose=0)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    assert type(loaded.optimizer) is keras.optimizers.Adam
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+
+
+def test_distributed_gradient_tape_keeps_structure_and_values():
+    v = {"a": tf.Variable([1.0, 2.0]), "b": tf.Variable(3.0)}
+
+    def grads(wrap):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(v["a"] ** 2) + v["b"] * 4.0
+        if wrap:
+            tape = kungfu.DistributedGradientTape(tape)
+        return tape.gradient(loss, v)
+
+    got, want = grads(True), grads(False)
+    assert set(got) == {"a", "b"}
+    np.testing.assert_array_equal(got["a"], want["a"])
+    np.testing.assert_array_equal(got["b"], want["b"])
+    with kungfu.DistributedGradientTape(tf.GradientTape()) as tape:  # the context-manager form
+        loss = v["b"] * 2.0
+    assert float(tape.gradient(loss, v["b"])) == 2.0
+
+
+def test_broadcast_variables_keeps_values_on_one_worker():
+    variables = [tf.Variable([[1.0, 2.0]]), tf.Variable(7, dtype=tf.int64), tf.Variable(tf.zeros([0]))]
+    kungfu.broadcast_variables(variables)
+    tf.function(lambda: kungfu.broadcast_variables(variables))()
+    assert variables[0].numpy().tolist() == [[1.0, 2.0]] and int(variables[1].numpy()) == 7
+
+
+def test_buckets_walk_from_the_last_gradient_and_respect_the_size():
+    tensors = [tf.zeros([256]), tf.zeros([256]), tf.zeros([1024]), tf.zeros([16])]  # 1 KiB, 1 KiB, 4 KiB, 64 B
+    assert _reduce.buckets(tensors, 2048) == [[3], [2], [1, 0]]  # a tensor above the size is a bucket alone
+    assert _reduce.buckets(tensors, 0) == [[3], [2], [1], [0]]
+    assert _reduce.buckets(tensors, 1 << 20) == [[3, 2, 1, 0]]
+    assert _reduce.buckets([], 1024) == []
+
+
+def test_metric_average_callback_leaves_one_worker_logs_alone():
+    logs = {"loss": 0.5, "accuracy": np.float32(0.25), "note": "text"}
+    callbacks.MetricAverageCallback().on_epoch_end(0, logs)
+    assert logs == {"loss": 0.5, "accuracy": np.float32(0.25), "note": "text"}
