@@ -174,6 +174,32 @@ def strategy_switch_without_retrace():
 
 
 @check
+def gradient_buckets_are_in_flight_together():
+    from kungfu import _lib
+
+    x, y = local_data()
+    model, loss = make_model(100), loss_fn()
+    opt = kungfu.optimizers.SynchronousSGDOptimizer(sgd(), fusion_bytes=0)  # one collective per gradient
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        opt.apply_gradients(zip(tape.gradient(value, model.trainable_variables), model.trainable_variables))
+
+    step(x[:LOCAL_BATCH], y[:LOCAL_BATCH])
+    most = 0
+    for _ in range(5):  # a worker that is ahead may finish a small collective before the next starts
+        kungfu.barrier()
+        _lib.reset_engine_stats()
+        step(x[:LOCAL_BATCH], y[:LOCAL_BATCH])
+        most = max(most, _lib.engine_stats()["max_in_flight"])
+    if most < 2:
+        raise AssertionError(f"at most {most} of the step's {len(model.trainable_variables)} gradient collectives "
+                             "were in flight at once")
+
+
+@check
 def indexed_slices_equal_densified():
     rank = kungfu.rank()
     table = tf.Variable(tf.zeros([10, 3]))
