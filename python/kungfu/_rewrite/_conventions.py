@@ -1,0 +1,81 @@
+"""What kungfu.rewrite assumes about the graphs TensorFlow and Keras trace (measured on TF 2.21, Keras 3.15).
+
+Every assumption the rewrite makes about TensorFlow's or Keras's graphs, or about TensorFlow internals,
+lives here, so that a TensorFlow or Keras upgrade that breaks one shows up in one place:
+tests/test_rewrite.py::test_tf_conventions_hold traces a small Keras step and checks each of them, naming
+the one that changed.
+
+  1. tf.GradientTape.gradient builds the backward pass under a name scope "gradient_tape" (a second tape
+     in one graph gets "gradient_tape_1", a user's name scope may prefix it).
+  2. Keras 3 optimizers update variables with AssignSubVariableOp / AssignAddVariableOp / AssignVariableOp
+     and, for tf.IndexedSlices gradients, ResourceScatter*; TF 1-style optimizers use ResourceApply* and
+     ResourceSparseApply*. The first input of each of these is the variable's resource handle.
+  3. Keras passes dense gradients through an IdentityN (the replica context's "all_reduce" marker, a
+     tf.custom_gradient identity), whose output k is its input k.
+  4. An IndexedSlices gradient (e.g. of tf.gather on an embedding) leaves the tape as loose tensors:
+     float values, integer indices and a dense shape that is a Const or a Shape op.
+  5. In a ConcreteFunction, cf.inputs are the argument placeholders followed by one placeholder per
+     captured tensor, in the order of cf.captured_inputs. (TF internal; public attributes, unpublished order.)
+  6. Inside the body of a tf.function being traced, the default graph's `inputs` are, before anything is
+     captured, the argument placeholders, in the order a function of the same signature uses. (TF internal.)
+"""
+
+import re
+
+import tensorflow as tf
+
+GRADIENT_SCOPE = re.compile(r"(^|/)gradient_tape(_\d+)?/")
+
+# Ops that write a variable through the resource handle that is their first input.
+_WRITE_TYPES = frozenset({"AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"})
+_WRITE_PREFIXES = ("ResourceScatter", "ResourceApply", "ResourceSparseApply")
+
+# Ops whose output k is their input k (everything else: each output depends on every input).
+PER_OUTPUT_OPS = frozenset({"IdentityN"})
+
+# Ops through which the tensor of a resource handle passes unchanged.
+HANDLE_PASSTHROUGH_OPS = frozenset({"Identity", "IdentityN"})
+
+# Producers of integer tensors that describe shapes, not data: the dense shape of an IndexedSlices.
+SHAPE_OPS = frozenset({"Const", "Shape", "ShapeN", "VariableShape", "Size"})
+
+# Reductions: an update that depends on a gradient only through one of these (a global norm, a clip
+# factor, a trust ratio) uses a statistic of that gradient, not the gradient itself.
+REDUCTION_OPS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "L2Loss", "EuclideanNorm",
+                           "ArgMax", "ArgMin"})
+
+# Ops that run a graph of the function library: gradients or updates inside them are out of reach.
+CALL_OPS = frozenset({"While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
+                      "PartitionedCall", "StatefulPartitionedCall"})
+
+
+def in_gradient_scope(op_name):
+    """Whether an op belongs to the backward pass a tf.GradientTape built."""
+    return GRADIENT_SCOPE.search(op_name) is not None
+
+
+def is_variable_write(op_type):
+    """Whether an op of this type writes the variable whose handle is its first input."""
+    return op_type in _WRITE_TYPES or op_type.startswith(_WRITE_PREFIXES)
+
+
+def split_inputs(cf):
+    """(argument placeholders, capture placeholders) of a ConcreteFunction: convention 5."""
+    captured = list(cf.captured_inputs)
+    inputs = list(cf.inputs)
+    n_args = len(inputs) - len(captured)
+    if n_args < 0 or any(i.dtype != c.dtype for i, c in zip(inputs[n_args:], captured)):
+        raise RuntimeError("kungfu.rewrite: this TensorFlow orders a ConcreteFunction's inputs differently "
+                           "(arguments, then captures); kungfu/_rewrite/_conventions.py needs updating")
+    return inputs[:n_args], inputs[n_args:]
+
+
+def traced_arguments():
+    """The argument placeholders of the tf.function being traced now: convention 6. Call first thing."""
+    return list(tf.compat.v1.get_default_graph().inputs)
+
+
+def variable_name(variable):
+    """A variable's name without the ':0' TF appends."""
+    name = getattr(variable, "path", None) or variable.name
+    return name[:-2] if name.endswith(":0") else name

@@ -1,0 +1,167 @@
+"""Finding the gradients of a traced training step and the variable updates they feed.
+
+A *gradient tensor* is a tensor that the backward pass of a tf.GradientTape produced (an op under the
+"gradient_tape/" name scope) and that something outside the backward pass consumes. An *update* is an op
+that writes a trainable variable (AssignSubVariableOp, ResourceScatterSub, ...). The gradient of a variable
+is the gradient tensor its updates depend on, found by walking the data inputs of the updates backwards:
+  - through the optimizer's own state: a read of a slot variable (Adam's m and v) continues at the
+    writes of that slot, which is how a gradient reaches the variable's update in Adam;
+  - not through reductions (a global norm, a clip factor): those make every update depend on every
+    gradient, but only through a statistic;
+  - through an IdentityN output k to its input k only (Keras's marker passes all gradients in one IdentityN).
+A dense gradient is one float tensor; an IndexedSlices gradient is a float values tensor plus an integer
+indices tensor (its dense shape is a constant and is left alone).
+
+The rewrite needs exactly one gradient per updated trainable variable. Anything else raises ValueError,
+naming what was found; so does a step in which nothing was found.
+"""
+
+import dataclasses
+
+import tensorflow as tf
+
+from . import _conventions as conv
+
+
+@dataclasses.dataclass(frozen=True)
+class GradientSite:
+    """Where one variable's gradient is in the traced graph (tensor names, e.g. 'gradient_tape/MatMul:0')."""
+
+    variable: tf.Variable  # the trainable variable it updates
+    name: str  # the variable's name, e.g. 'sequential/dense/kernel'
+    values: str  # the dense gradient, or the values of an IndexedSlices
+    indices: str | None  # the indices of an IndexedSlices; None for a dense gradient
+    updates: tuple  # names of the ops that write the variable
+    order: int  # position of the op producing values in the graph: backward-pass order
+
+
+def find_gradients(cf, what):
+    """The GradientSites of a ConcreteFunction, in the order the backward pass produces them.
+
+    what names the function in errors, e.g. "kungfu.rewrite(train_step)".
+    """
+    ops = cf.graph.get_operations()
+    boundary = _boundary_tensors(ops)
+    _, capture_phs = conv.split_inputs(cf)
+    trainable = _trainable_placeholders(cf, capture_phs)
+    writes = _writes_by_resource(ops)
+    updated = {ph: ws for ph, ws in writes.items() if ph in trainable}
+    if not boundary or not updated:
+        raise ValueError(_nothing_found(what, ops, boundary, updated, trainable))
+    found = {ph: _gradients_of(ws, boundary, trainable, writes) for ph, ws in updated.items()}
+    _check_one_per_variable(what, found, updated, trainable)
+    order = {op.name: i for i, op in enumerate(ops)}
+    sites = []
+    for ph, (floats, ints) in found.items():
+        values = next(iter(floats))
+        sites.append(GradientSite(variable=trainable[ph], name=conv.variable_name(trainable[ph]),
+                                  values=values.name, indices=next(iter(ints)).name if ints else None,
+                                  updates=tuple(w.name for w in updated[ph]), order=order[values.op.name]))
+    return sorted(sites, key=lambda s: s.order)
+
+
+def _boundary_tensors(ops):
+    """Outputs of backward-pass ops that an op outside the backward pass consumes, by name."""
+    boundary = {}
+    for op in ops:
+        if conv.in_gradient_scope(op.name):
+            continue
+        for t in op.inputs:
+            if conv.in_gradient_scope(t.op.name):
+                boundary[t.name] = t
+    return boundary
+
+
+def _resource_root(t):
+    """The op a resource handle comes from, seen through Identity ops."""
+    op = t.op
+    while op.type in conv.HANDLE_PASSTHROUGH_OPS and op.inputs:
+        op = op.inputs[t.value_index if op.type in conv.PER_OUTPUT_OPS else 0].op
+    return op.name
+
+
+def _trainable_placeholders(cf, capture_phs):
+    """{name of the capture placeholder: variable} for the trainable variables the function captures."""
+    by_handle = {id(v.handle): v for v in cf.trainable_variables}
+    return {ph.op.name: by_handle[id(ext)] for ext, ph in zip(cf.captured_inputs, capture_phs)
+            if id(ext) in by_handle}
+
+
+def _writes_by_resource(ops):
+    writes = {}
+    for op in ops:
+        if conv.is_variable_write(op.type) and op.inputs:
+            writes.setdefault(_resource_root(op.inputs[0]), []).append(op)
+    return writes
+
+
+def _gradients_of(update_ops, boundary, trainable, writes):
+    """(float gradient tensors, integer index tensors) the updates depend on; see the module doc."""
+    stack = [t for w in update_ops for t in w.inputs if t.dtype != tf.resource]
+    seen, floats, ints = set(), {}, {}
+    while stack:
+        t = stack.pop()
+        if t.name in seen:
+            continue
+        seen.add(t.name)
+        op = t.op
+        if t.name in boundary:
+            if t.dtype.is_floating or t.dtype.is_complex:
+                floats[t.name] = t
+            elif op.type not in conv.SHAPE_OPS:
+                ints[t.name] = t
+        elif op.type == "ReadVariableOp":
+            root = _resource_root(op.inputs[0])
+            if root not in trainable:  # optimizer state: follow what was written into it
+                stack.extend(i for w in writes.get(root, []) for i in w.inputs if i.dtype != tf.resource)
+        elif op.type in conv.PER_OUTPUT_OPS:
+            stack.append(op.inputs[t.value_index])
+        elif op.type not in conv.REDUCTION_OPS:
+            stack.extend(i for i in op.inputs if i.dtype != tf.resource)
+    return list(floats.values()), list(ints.values())
+
+
+_FIX = ("kungfu.rewrite needs a step that computes gradients with tf.GradientTape and applies them to the "
+        "trainable variables, one gradient per variable (opt.apply_gradients(zip(grads, variables)))")
+
+
+def _check_one_per_variable(what, found, updated, trainable):
+    problems, owners = [], {}
+    for ph, (floats, ints) in found.items():
+        name = conv.variable_name(trainable[ph])
+        ops = ", ".join(f"{w.type} '{w.name}'" for w in updated[ph])
+        if not floats:
+            problems.append(f"{name} is updated ({ops}) from no gradient")
+        elif len(floats) > 1:
+            problems.append(f"{name} is updated from {len(floats)} gradient tensors: "
+                            f"{', '.join(sorted(t.name for t in floats))}")
+        if len(ints) > 1:
+            problems.append(f"{name} is updated from {len(ints)} index tensors: "
+                            f"{', '.join(sorted(t.name for t in ints))}")
+        for t in floats:
+            owners.setdefault(t.name, []).append(name)
+    problems += [f"gradient {t} feeds the updates of {len(names)} variables: {', '.join(sorted(names))}"
+                 for t, names in sorted(owners.items()) if len(names) > 1]
+    if problems:
+        raise ValueError(f"{what}: found {len(owners)} gradient(s) but {len(updated)} trainable-variable update(s):\n"
+                         + "".join(f"  - {p}\n" for p in problems)
+                         + f"{_FIX}; update other variables only if they are created with trainable=False.")
+
+
+def _nothing_found(what, ops, boundary, updated, trainable):
+    if not boundary:
+        found = "found no gradients (no tf.GradientTape backward pass in its graph)"
+    else:
+        found = f"found {len(boundary)} tensor(s) leaving a tf.GradientTape backward pass"
+    if updated:
+        found += f" and {len(updated)} updated trainable variable(s)"
+    else:
+        found += (f" but no update of any of its {len(trainable)} captured trainable variable(s)" if boundary
+                  else " and no update of a trainable variable")
+    calls = sorted({f"{op.type} '{op.name}'" for op in ops if op.type in conv.CALL_OPS})
+    hint = ""
+    if calls:
+        hint = (f" The step calls {', '.join(calls[:5])}{' ...' if len(calls) > 5 else ''}: gradients and updates "
+                "inside tf.while_loop, tf.cond or a nested tf.function live in the function library, where "
+                "kungfu.rewrite does not look; compute and apply the gradients at the top level of the step.")
+    return f"{what}: {found}. {_FIX}.{hint}"

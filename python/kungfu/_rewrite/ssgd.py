@@ -1,0 +1,67 @@
+"""The S-SGD pass: every gradient becomes its mean over the workers.
+
+Dense gradients are all-reduced (kungfu.group_all_reduce, op="mean") in buckets taken in backward-pass
+order: a bucket closes once it holds fusion_bytes, so the last layers' bucket is in flight while the
+backward pass still computes the first layers' gradients. Each bucket is one op, fused inside into
+buffers of at most fusion_bytes; fusion_bytes=0 gives one collective per gradient.
+
+An IndexedSlices gradient travels as an all-gather of its indices and of its values divided by size():
+scattering every worker's rows, each scaled by 1/size, adds up to the mean of the dense gradients, and
+each worker may contribute a different number of rows.
+
+Keys are explicit, built from the function's name and the gradients' positions in the traced graph
+(which every worker traces alike), not from variable names: those carry per-process uniquifying
+suffixes (dense_3), so a worker that built one more model would wait on other keys until the timeout,
+while a position that disagrees shows up as a shape mismatch, reported at once.
+"""
+
+import tensorflow as tf
+
+from .. import ops as kf
+
+DEFAULT_FUSION_BYTES = 4 << 20  # as kungfu.group_all_reduce's own default
+
+
+def ssgd(grads, ctx):
+    """Replaces each gradient with its mean over the workers (see the module doc)."""
+    fusion_bytes = ctx.options.get("fusion_bytes")
+    if fusion_bytes is None:
+        fusion_bytes = DEFAULT_FUSION_BYTES
+    out = list(grads)
+    dense = [i for i, g in enumerate(grads) if not g.sparse]
+    for b, bucket in enumerate(_buckets(dense, grads, fusion_bytes)):
+        members = [grads[i] for i in bucket]
+        key = ctx.key("ssgd", str(b))
+        reduced = kf.group_all_reduce([g.values for g in members], op="mean", name=key, fusion_bytes=fusion_bytes)
+        ctx.note("group_all_reduce", key, members)
+        for i, r in zip(bucket, reduced):
+            out[i] = grads[i].replace(values=r)
+    for i, g in enumerate(grads):
+        if g.sparse:
+            out[i] = _gather_mean(g, ctx, ctx.key("ssgd", f"sparse{i}"))
+    return out
+
+
+def _buckets(positions, grads, fusion_bytes):
+    """Consecutive runs of positions, each closed once it holds fusion_bytes."""
+    buckets, current, size = [], [], 0
+    for i in positions:
+        current.append(i)
+        size += _nbytes(grads[i].values, fusion_bytes)
+        if size >= fusion_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + ([current] if current else [])
+
+
+def _nbytes(t, unknown):
+    n = t.shape.num_elements()
+    return unknown if n is None else n * t.dtype.size
+
+
+def _gather_mean(g, ctx, key):
+    values = kf.all_gather(g.values, name=key + "/values")
+    indices = kf.all_gather(g.indices, name=key + "/indices")
+    ctx.note("all_gather", key + "/values", [g])
+    ctx.note("all_gather", key + "/indices", [g])
+    return g.replace(values=values / tf.cast(ctx.size, values.dtype), indices=indices)
