@@ -1,0 +1,184 @@
+"""Training throughput side by side: the same Keras model and per-worker batch trained with model.fit by
+KungFu S-SGD (SynchronousSGDOptimizer, 2 workers under kfrun), TF MultiWorkerMirroredStrategy (RING, 2 local
+workers) and 1 worker alone, on synthetic data.
+
+    python3 benchmarks/training.py                        # mlp and cnn, 2 rounds, about 6 minutes
+    python3 benchmarks/training.py --quick                # a smoke run of about 3 minutes
+    python3 benchmarks/training.py --models=mlp --systems=kungfu,mwms --rounds=3
+
+Two more launches measure the communication share: KungFu with its gradient all-reduce skipped, and two
+plain Keras processes at once (see _training/report.py for how the shares are computed). Every launch trains
+all models; each launch has a deadline, after which every process it started is killed. A launch that fails
+is reported with its output's tail and the rest still run. The table is printed and written to --out.
+"""
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+from _allreduce import launch
+from _training import common
+from _training import report
+from _training import systems as S
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list('models', list(common.MODELS), 'models to train: mlp, cnn')
+flags.DEFINE_list('systems', ['kungfu', 'mwms', 'single', 'kungfu_nocomm', 'apart'],
+                  'kungfu, mwms, single (1 worker alone), kungfu_nocomm (collectives skipped), '
+                  'apart (2 plain Keras processes at once); the last two give the comm shares')
+flags.DEFINE_integer('batch', 32, 'rows per worker per step (MWMS gets 2x this as its global batch)')
+flags.DEFINE_integer('steps', 30, 'steps per epoch; epochs are the unit of timing')
+flags.DEFINE_integer('epochs', 3, 'timed epochs per model and launch')
+flags.DEFINE_integer('warmup', 1, 'untimed epochs per model and launch before the timed ones')
+flags.DEFINE_integer('rounds', 2, 'times every launch is repeated, interleaved; timed epochs are pooled')
+flags.DEFINE_bool('quick', False, 'smoke run: defaults --steps=10 --epochs=2 --rounds=1')
+flags.DEFINE_integer('launch_timeout', 0, 'seconds before a launch is killed; 0 derives it from the plan')
+flags.DEFINE_float('kungfu_timeout', 120, 'kfrun --timeout: seconds any KungFu wait may take')
+flags.DEFINE_string('launcher', sys.executable + ' -m kungfu.launcher', 'how to start kungfu workers')
+flags.DEFINE_string('out', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'training.md'),
+                    'markdown report path; empty to skip')
+
+QUICK = dict(steps=10, epochs=2, rounds=1)  # --quick's values for flags not given
+SECONDS_PER_STEP_BOUND = 0.5  # a generous bound on one 2-worker step on 2 loaded cores, for the deadline
+
+
+def _flag(name):
+    return QUICK[name] if FLAGS.quick and name in QUICK and not FLAGS[name].present else FLAGS[name].value
+
+
+def make_plan(out_dir):
+    """What every worker is told (through common.PLAN_ENV)."""
+    return dict(models=list(FLAGS.models), batch=FLAGS.batch, steps=_flag('steps'), epochs=_flag('epochs'),
+                warmup=FLAGS.warmup, out_dir=out_dir)
+
+
+def launch_timeout(plan):
+    if FLAGS.launch_timeout:
+        return FLAGS.launch_timeout
+    # start-up (TF import, cluster set-up) plus, per model, tracing and the epochs at a generous step time
+    steps = plan['steps'] * (plan['epochs'] + plan['warmup'])
+    return 120 + len(plan['models']) * (30 + steps * SECONDS_PER_STEP_BOUND)
+
+
+def read_ranks(out_dir, ranks):
+    """[per-rank results] once every rank wrote its file, else None."""
+    paths = [os.path.join(out_dir, 'rank%d.json' % r) for r in range(ranks)]
+    if not all(os.path.exists(p) for p in paths):
+        return None
+    out = []
+    for p in paths:
+        with open(p) as f:
+            out.append(json.load(f))
+    return out
+
+
+def run_system(system, work_dir):
+    """One launch of system; returns (per-rank results or None, why it failed, output tail)."""
+    out_dir = tempfile.mkdtemp(prefix=system.key + '-', dir=work_dir)
+    plan = make_plan(out_dir)
+    timeout = launch_timeout(plan)
+    procs = system.commands(plan)
+    print('[%s] %s (deadline %.0f s)' % (time.strftime('%H:%M:%S'), system.label, timeout), flush=True)
+    t0 = time.monotonic()
+    _, why, tail = launch.run_group([c for c, _ in procs], [e for _, e in procs], out_dir, timeout,
+                                     done=lambda: read_ranks(out_dir, system.ranks) is not None)
+    per_rank = read_ranks(out_dir, system.ranks)
+    if per_rank is None:
+        why = why or 'no results written'
+        print('    failed: %s\n%s' % (why, tail), flush=True)
+        return None, why, tail
+    print('    done in %.0f s%s' % (time.monotonic() - t0, ' (%s)' % why if why else ''), flush=True)
+    return per_rank, '', ''
+
+
+def measure_all(chosen, work_dir, rounds, steps):
+    """Runs every system once per round, in turn, so a burst of load from other programs hits one round of a
+    system rather than all of its epochs. Returns ({label: {model: Cell}}, [(label, why, tail)] for systems
+    that failed in every round)."""
+    results, failed = {}, {}
+    for r in range(rounds):
+        if rounds > 1:
+            print('round %d of %d' % (r + 1, rounds), flush=True)
+        for system in chosen:
+            per_rank, why, tail = run_system(system, work_dir)
+            if per_rank is None:
+                failed.setdefault(system.label, (why, tail))
+                continue
+            for model in per_rank[0]:
+                results.setdefault(system.label, {}).setdefault(model, report.Cell(steps)).add(
+                    [ranks[model] for ranks in per_rank])
+    return results, [(label, why, tail) for label, (why, tail) in failed.items() if label not in results]
+
+
+def _git_head():
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        r = subprocess.run(['git', '-C', here, 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True,
+                           timeout=30)
+        return r.stdout.strip() or '?'
+    except (OSError, subprocess.TimeoutExpired):
+        return '?'
+
+
+def _version(dist):
+    from importlib import metadata
+    for d in (dist + '-cpu', dist):
+        try:
+            return metadata.version(d)
+        except metadata.PackageNotFoundError:
+            pass
+    return 'not installed'
+
+
+def run_meta(plan, rounds):
+    """What a reader needs to judge the figures: when, on what, with which software and plan."""
+    with open('/proc/cpuinfo') as f:
+        cpu = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), '?')
+    with open('/proc/meminfo') as f:
+        mem_gib = int(f.readline().split()[1]) / (1 << 20)
+    library = os.environ.get('KUNGFU_LIBRARY', 'the installed package\'s')
+    return [
+        ('date', datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')),
+        ('machine', '%d cores (%s), %.0f GiB, Linux %s' % (os.cpu_count(), cpu, mem_gib, platform.release())),
+        ('load average at start', '%.2f %.2f %.2f' % os.getloadavg()),
+        ('software', 'Python %s, TensorFlow %s, Keras %s, kungfu library %s (tree %s)' % (
+            platform.python_version(), _version('tensorflow'), _version('keras'), library, _git_head())),
+        ('plan', 'batch %d per worker, Keras SGD(0.01, momentum 0.9), synthetic data; per model and launch %d '
+                 'warm-up + %d timed epochs of %d steps; %d round(s) of every launch, interleaved%s' % (
+                     plan['batch'], plan['warmup'], plan['epochs'], plan['steps'], rounds,
+                     ' (--quick)' if FLAGS.quick else '')),
+    ]
+
+
+def main(argv):
+    del argv
+    known = {s.key for s in S.all_systems([], 0)}
+    if set(FLAGS.systems) - known or set(FLAGS.models) - set(common.MODELS):
+        raise app.UsageError('--systems takes %s; --models takes %s' % (', '.join(sorted(known)),
+                                                                        ', '.join(common.MODELS)))
+    if FLAGS.batch < 1 or _flag('steps') < 1 or _flag('epochs') < 1 or FLAGS.warmup < 1 or _flag('rounds') < 1:
+        raise app.UsageError('--batch, --steps, --epochs, --warmup and --rounds must be >= 1')
+    chosen = [s for s in S.all_systems(FLAGS.launcher.split(), FLAGS.kungfu_timeout) if s.key in FLAGS.systems]
+    with tempfile.TemporaryDirectory(prefix='kf-training-') as work_dir:
+        plan = make_plan(work_dir)
+        meta = run_meta(plan, _flag('rounds'))
+        results, failures = measure_all(chosen, work_dir, _flag('rounds'), plan['steps'])
+    meta.append(('load average at end', '%.2f %.2f %.2f' % os.getloadavg()))
+    text = report.render(results, plan['models'], [s.label for s in chosen], plan['batch'], meta, failures)
+    print('\n' + text)
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+        with open(FLAGS.out, 'w') as f:
+            f.write(text)
+        print('written to ' + FLAGS.out)
+
+
+if __name__ == '__main__':
+    app.run(main)
