@@ -1,0 +1,62 @@
+"""The training examples run to the end under kfrun and say what they should.
+
+Each example runs on 2 workers with few epochs: a smoke test that the scripts users copy still work
+with the API, not a test of how well they train (tests/test_training_mp.py does that).
+"""
+
+import os
+import re
+
+import pytest
+
+from conftest import REPO
+from mp import launch
+
+pytestmark = pytest.mark.usefixtures("kungfu_library")
+
+TESTS = os.path.join(REPO, "tests")
+# Runs an example as a kfrun worker: registers the pid for mp.launch to kill, then runs the script as
+# `python script flags...` would (absl reads sys.argv).
+RUNNER = (f"import runpy, sys; sys.path.insert(0, {TESTS!r}); import mp; mp.worker_started(); "
+          "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def run_example(name, flags, tmp_path):
+    script = os.path.join(REPO, "examples", name)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    code, out = launch(2, ["-c", RUNNER, script, *flags], pid_dir, timeout=60, budget=240)
+    assert code == 0, out[-6000:]
+    return out
+
+
+def expect(out, *patterns):
+    for pattern in patterns:
+        assert re.search(pattern, out, re.MULTILINE), f"no line matches {pattern!r} in:\n{out[-6000:]}"
+
+
+def test_keras_digits(tmp_path):
+    out = run_example("keras_digits.py", ["--epochs=2", f"--out={tmp_path / 'ckpt'}"], tmp_path)
+    expect(out,
+           r"^\[0\] before the broadcast, the workers' initial models are identical: False$",
+           r"^\[0\] after the broadcast, the 2 worker\(s\) start identical: True$",
+           r"^\[0\] test accuracy: 0\.\d+",
+           r"^\[0\] after training, the workers' models are identical: True$",
+           r"^\[0\] rank 0 wrote the checkpoint .*digits\.weights\.h5")
+    assert os.listdir(tmp_path / "ckpt") == ["digits.weights.h5"]
+
+
+def test_custom_loop(tmp_path):
+    out = run_example("custom_loop.py", ["--epochs=2", "--steps_per_epoch=5"], tmp_path)
+    expect(out,
+           r"^\[0\] epoch 2/2: loss \d+\.\d+, accuracy \d\.\d+, \d+ images/s$",
+           r"^\[0\] the workers' models are identical: True$")
+
+
+def test_pair_averaging_and_switch(tmp_path):
+    out = run_example("pair_averaging.py", ["--epochs=2", "--final_epochs=1", "--final_strategy=sma"], tmp_path)
+    expect(out,
+           r"^\[0\] epoch  1/2 pair_averaging +loss .* spread \d\.\d+$",
+           r"^\[0\] epoch  2/2 sma +loss .* spread \d\.\d+$",
+           r"^\[0\] test accuracy of each worker's model: 0\.\d+, 0\.\d+$",
+           r"^\[0\] test accuracy of the workers' mean model, now on every worker: 0\.\d+$")
