@@ -6,5 +6,8 @@ from .collective import barrier
 from .collective import broadcast
 from .collective import consensus
 from .collective import group_all_reduce
+from .p2p import request_variable
+from .p2p import save_variable
 
-__all__ = ["all_reduce", "group_all_reduce", "broadcast", "all_gather", "barrier", "consensus"]
+__all__ = ["all_reduce", "group_all_reduce", "broadcast", "all_gather", "barrier", "consensus", "save_variable",
+           "request_variable"]
