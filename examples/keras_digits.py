@@ -61,11 +61,9 @@ def main(argv):
 
     keras.utils.set_random_seed(rank)  # a different initial model on every worker, until the broadcast
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
+    same = bool(kungfu.consensus(flat_weights(model)))  # a collective: every worker calls it, rank 0 prints
     if rank == 0:
-        same = bool(kungfu.consensus(flat_weights(model)))
         print(f"before the broadcast, the workers' initial models are identical: {same}", flush=True)
-    else:
-        kungfu.consensus(flat_weights(model))  # every worker takes part in every collective
 
     # Learning rate and batch: each step applies the mean gradient of a global batch of
     # size * batch_size examples, and an epoch takes size times fewer steps than on one worker.
