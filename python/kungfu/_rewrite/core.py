@@ -13,6 +13,7 @@ import threading
 import tensorflow as tf
 
 from .. import _lib
+from . import _conventions
 from . import find
 from . import passes as passes_lib
 from . import rebind
@@ -60,54 +61,59 @@ class Report:
 
 
 class Rewritten:
-    """The callable kungfu.rewrite returns: fn's signature, fn's results, fn's variables, distributed."""
+    """The callable kungfu.rewrite returns: fn's signature, fn's results, fn's variables, distributed.
+
+    It is a tf.function of fn's signature whose every trace rewrites fn's concrete function for the
+    same arguments, so TensorFlow's own per-signature dispatch picks the rewrite and a call costs what
+    a call of fn costs. One such tf.function per cluster size.
+    """
 
     def __init__(self, fn, passes, options):
         if not isinstance(fn, tf.types.experimental.PolymorphicFunction):
             fn = tf.function(fn)
         self._fn = fn
-        self._passes = passes
+        self._passes = tuple(passes)
         self._options = dict(options)
-        self._name = getattr(fn, "__name__", None) or getattr(fn, "name", "step")
+        self._name = getattr(fn, "__name__", None) or "step"
         self._lock = threading.Lock()
-        self._cache = {}  # (original ConcreteFunction, size) -> (rewritten tf.function, Report)
+        self._functions = {}  # kungfu.size() -> the rewritten tf.function
+        self._reports = {}  # (original ConcreteFunction, size) -> Report
         functools.update_wrapper(self, fn.python_function, updated=())
 
     def __call__(self, *args, **kwargs):
-        return self._rewritten(args, kwargs)[0](*args, **kwargs)
+        return self._function()(*args, **kwargs)
 
     def get_concrete_function(self, *args, **kwargs):
         """The rewritten ConcreteFunction for these arguments (rewriting it if new)."""
-        return self._rewritten(args, kwargs)[0].get_concrete_function(*args, **kwargs)
+        return self._function().get_concrete_function(*args, **kwargs)
 
     def report(self, *args, **kwargs):
         """The Report of the rewrite for these arguments (rewriting it if new)."""
-        return self._rewritten(args, kwargs)[1]
+        self.get_concrete_function(*args, **kwargs)
+        return self._reports[(self._fn.get_concrete_function(*args, **kwargs), _lib.size())]
 
     @property
     def rewrite_count(self):
         """How many concrete functions have been rewritten so far."""
-        return len(self._cache)
+        return len(self._reports)
 
-    def _rewritten(self, args, kwargs):
+    def _function(self):
         _lib.require_init(f"kungfu.rewrite({self._name})")
-        cf = self._fn.get_concrete_function(*args, **kwargs)
-        key = (cf, _lib.size())
-        entry = self._cache.get(key)
-        if entry is None:
-            with self._lock:
-                entry = self._cache.get(key) or self._build(cf, args, kwargs)
-                self._cache[key] = entry
-        return entry
+        size = _lib.size()
+        with self._lock:
+            if size not in self._functions:
+                body = functools.update_wrapper(functools.partial(self._body, size), self._fn.python_function)
+                self._functions[size] = tf.function(body, autograph=False, input_signature=self._fn.input_signature)
+            return self._functions[size]
 
-    def _build(self, cf, args, kwargs):
-        what = f"kungfu.rewrite({self._name})"
-        sites = find.find_gradients(cf, what)
-        ctx = passes_lib.PassContext(function=self._name, size=_lib.size(), options=self._options)
-        body = rebind.body_for(rebind.plan(cf, sites), self._passes, ctx)
-        functools.update_wrapper(body, self._fn.python_function)
-        new = tf.function(body, autograph=False, input_signature=self._fn.input_signature)
-        new.get_concrete_function(*args, **kwargs)  # traces now: the passes fill ctx.inserted
+    def _body(self, size, *args, **kwargs):
+        arguments = _conventions.traced_arguments()  # before anything is captured
+        cf = self._fn.get_concrete_function(*args, **kwargs)  # the original, for the same arguments
+        sites = find.find_gradients(cf, f"kungfu.rewrite({self._name})")
+        ctx = passes_lib.PassContext(function=self._name, size=size, options=self._options)
+        outputs = rebind.rebuild(rebind.plan(cf, sites), arguments, self._passes, ctx)
         report = Report(gradients=tuple((s.name, "sparse" if s.indices else "dense") for s in sites),
                         inserted=tuple(ctx.inserted))
-        return new, report
+        with self._lock:
+            self._reports[(cf, size)] = report
+        return outputs

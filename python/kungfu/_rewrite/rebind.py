@@ -1,7 +1,7 @@
 """Re-importing a traced graph into a new tf.function, with the passes' ops between its two parts.
 
 The new function has the original's Python signature, so TensorFlow hands it the same argument
-placeholders in the same order. Its body:
+placeholders in the same order. While it is traced (core.py), rebuild():
   1. binds the original's argument placeholders to its own, and each captured tensor (a variable's
      handle, mostly) to the same tensor captured again: the imported ops update the same variables;
   2. imports the first part (forward and backward pass, graphdef.split) and takes the gradient tensors;
@@ -29,6 +29,7 @@ class Plan:
     sites: list  # find.GradientSite, in backward-pass order
     split: graphdef.Split
     arg_names: list  # names of the original's argument placeholder tensors
+    arg_dtypes: list  # and their dtypes
     captures: dict  # name of a capture placeholder tensor -> the tensor captured
     first_returns: list  # tensors of the first part the body needs, by name
 
@@ -46,48 +47,45 @@ def plan(cf, sites):
     needed |= {t.name for t in cf.outputs}
     first_nodes = {n.name for n in cut.first.node}
     first_returns = sorted(t for t in needed if t not in removed_tensors and t.split(":")[0] in first_nodes)
-    return Plan(cf=cf, sites=sites, split=cut, arg_names=[t.name for t in arg_phs],
+    return Plan(cf=cf, sites=sites, split=cut, arg_names=[t.name for t in arg_phs], arg_dtypes=[t.dtype for t in arg_phs],
                 captures={ph.name: ext for ph, ext in zip(capture_phs, cf.captured_inputs)},
                 first_returns=first_returns)
 
 
-def body_for(p, passes, ctx):
-    """The Python body of the rewritten tf.function for the Plan p."""
+def rebuild(p, arguments, passes, ctx):
+    """Rebuilds p.cf in the tf.function being traced, the passes between its parts; returns its outputs.
 
-    def body(*args, **kwargs):
-        del args, kwargs  # the same tensors, in the original's order: conv.traced_arguments()
-        bound = _bind(p)
-        ctx.inserted.clear()  # a retrace (TF traces twice when a pass creates a variable) starts over
-        first_map = {ref: bound[t] for ref, t in p.split.first_links.items()}
-        got = tf.graph_util.import_graph_def(p.split.first, input_map=first_map, return_elements=p.first_returns,
-                                             name="backprop")
-        tensors = {**dict(zip(p.first_returns, got)), **bound}
-        grads = [passes_lib.Gradient(name=s.name, variable=s.variable, values=tensors[s.values],
-                                     indices=tensors[s.indices] if s.indices else None) for s in p.sites]
-        new = passes_lib.run_passes(passes, grads, ctx)
-        replaced = {}
-        for site, g in zip(p.sites, new):
-            replaced[site.values] = g.values
-            if site.indices:
-                replaced[site.indices] = g.indices
-        second_map = {ref: (tensors[t] if ref.startswith("^") else replaced.get(t, tensors[t]))
-                      for ref, t in p.split.second_links.items()}
-        outputs = [t.name for t in p.cf.outputs if t.name not in tensors]
-        got = tf.graph_util.import_graph_def(p.split.second, input_map=second_map, return_elements=outputs,
-                                             name="update")
-        tensors.update(zip(outputs, got))
-        return tf.nest.map_structure(lambda t: tensors[t.name] if isinstance(t, tf.Tensor) else t,
-                                     p.cf.structured_outputs, expand_composites=True)
-
-    return body
+    arguments: the traced function's argument placeholders (conv.traced_arguments(), read before
+    anything was captured), standing for the original's, in the same order.
+    """
+    bound = _bind(p, arguments)
+    first_map = {ref: bound[t] for ref, t in p.split.first_links.items()}
+    got = tf.graph_util.import_graph_def(p.split.first, input_map=first_map, return_elements=p.first_returns,
+                                         name="backprop")
+    tensors = {**dict(zip(p.first_returns, got)), **bound}
+    grads = [passes_lib.Gradient(name=s.name, variable=s.variable, values=tensors[s.values],
+                                 indices=tensors[s.indices] if s.indices else None) for s in p.sites]
+    new = passes_lib.run_passes(passes, grads, ctx)
+    replaced = {}
+    for site, g in zip(p.sites, new):
+        replaced[site.values] = g.values
+        if site.indices:
+            replaced[site.indices] = g.indices
+    second_map = {ref: (tensors[t] if ref.startswith("^") else replaced.get(t, tensors[t]))
+                  for ref, t in p.split.second_links.items()}
+    outputs = [t.name for t in p.cf.outputs if t.name not in tensors]
+    got = tf.graph_util.import_graph_def(p.split.second, input_map=second_map, return_elements=outputs,
+                                         name="update")
+    tensors.update(zip(outputs, got))
+    return tf.nest.map_structure(lambda t: tensors[t.name] if isinstance(t, tf.Tensor) else t,
+                                 p.cf.structured_outputs, expand_composites=True)
 
 
-def _bind(p):
+def _bind(p, args):
     """{name of an original placeholder tensor: the tensor of the new function it stands for}."""
-    args = conv.traced_arguments()
-    if len(args) != len(p.arg_names):
-        raise RuntimeError(f"kungfu.rewrite: the rewritten function got {len(args)} argument tensors where the "
-                           f"original has {len(p.arg_names)}; kungfu/_rewrite/_conventions.py needs updating")
+    if len(args) != len(p.arg_names) or any(a.dtype != d for a, d in zip(args, p.arg_dtypes)):
+        raise RuntimeError(f"kungfu.rewrite: the rewritten function got argument tensors {args} where the "
+                           f"original has {p.arg_names}; kungfu/_rewrite/_conventions.py needs updating")
     bound = dict(zip(p.arg_names, args))
     used = set(p.split.first_links.values()) | set(p.split.second_links.values())
     for name, captured in p.captures.items():
