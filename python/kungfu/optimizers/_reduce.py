@@ -24,18 +24,26 @@ from ..ops import collective
 
 DEFAULT_FUSION_BYTES = 4 << 20  # bucket size; the ops' own packing threshold has the same default
 
-_logged = set()  # variable names whose reduction was logged; one line per variable per process
+_logged = set()  # variable names whose reduction was logged: once per variable per process
 _logged_lock = threading.Lock()
 
 
-def _log_choice(var, how):
-    name = getattr(var, "path", None) or getattr(var, "name", None) or "?"
+def _var_name(var):
+    return getattr(var, "path", None) or getattr(var, "name", None) or "?"
+
+
+def _log_choices(choices):
+    """Logs, on rank 0, how each variable's gradient travels: one line per kind, once per variable."""
     with _logged_lock:
-        if name in _logged:
-            return
-        _logged.add(name)
-    if _lib.rank() == 0:
-        logging.info("kungfu: gradient of %s: %s", name, how)
+        new = [(name, how) for name, how in choices if name not in _logged]
+        _logged.update(name for name, _ in new)
+    if not new or _lib.rank() != 0:
+        return
+    by_how = {}
+    for name, how in new:
+        by_how.setdefault(how, []).append(name)
+    for how, names in by_how.items():
+        logging.info("kungfu: %d gradient(s) %s: %s", len(names), how, ", ".join(names))
 
 
 def check_fusion_bytes(fusion_bytes):
@@ -88,6 +96,7 @@ def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=Fal
     variables = variables if variables is not None else [None] * len(grads)
     out = list(grads)
     dense = []  # indices into grads
+    choices = []  # (variable name, how its gradient travels)
     for i, (g, v) in enumerate(zip(grads, variables)):
         if g is None:
             continue
@@ -95,15 +104,16 @@ def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=Fal
             if sparse_as_dense:
                 out[i] = _reducible(tf.convert_to_tensor(g))
                 dense.append(i)
-                _log_choice(v, "sparse, densified and all-reduced (sparse_as_dense=True)")
+                choices.append((_var_name(v), "sparse, densified and all-reduced (sparse_as_dense=True)"))
             else:
                 _reducible(g.values)
                 out[i] = mean_indexed_slices(g)
-                _log_choice(v, "sparse (IndexedSlices): all-gather of indices and values")
+                choices.append((_var_name(v), "sparse (IndexedSlices), all-gather of indices and values"))
         else:
             out[i] = _reducible(tf.convert_to_tensor(g))
             dense.append(i)
-            _log_choice(v, "dense: all-reduce")
+            choices.append((_var_name(v), "dense, all-reduce"))
+    _log_choices(choices)
     for i, r in zip(dense, mean_tensors([out[i] for i in dense], fusion_bytes)):
         out[i] = r
     return out
