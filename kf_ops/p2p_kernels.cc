@@ -42,7 +42,8 @@ class SaveVariableOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ViewOf(t, &view));
     std::shared_ptr<kungfu::Engine> engine = kungfu::GlobalEngine();
     OP_REQUIRES(ctx, engine != nullptr,
-                absl::FailedPreconditionError("kungfu is not initialized: call kungfu.init() first (or it was finalized)"));
+                absl::FailedPreconditionError(
+                    "kungfu is not initialized: call kungfu.init() first (or it was finalized)"));
     int64_t version = -1;
     kungfu::Status s = engine->Save(name, view.data, view.count, view.dtype, ShapeSignature(t.shape()), &version);
     OP_REQUIRES_OK(ctx, ToTfStatus(s));
@@ -99,8 +100,8 @@ class RequestVariableOp : public AsyncOpKernel {
             std::memcpy(const_cast<char*>(value->tensor_data().data()), def.tensor_data().data(), def.TotalBytes());
           }
         } else if (s.code() == kungfu::Code::kInvalidArgument) {
-          status = absl::InvalidArgumentError(s.message() + " (this worker's default: " +
-                                              tensorflow::DataTypeString(def.dtype()) + def.shape().DebugString() + ")");
+          const std::string mine = tensorflow::DataTypeString(def.dtype()) + def.shape().DebugString();
+          status = absl::InvalidArgumentError(s.message() + " (this worker's default: " + mine + ")");
         }
         if (!status.ok()) ctx->SetStatus(status);
         done();

@@ -47,7 +47,8 @@ def _key(name, what):
 def _tensor(x, what):
     x = tf.convert_to_tensor(x)
     if x.dtype not in DTYPES:
-        raise TypeError(f"{what}: dtype {x.dtype.name} is not supported; use one of {', '.join(d.name for d in DTYPES)}")
+        raise TypeError(f"{what}: dtype {x.dtype.name} is not supported; use one of "
+                        f"{', '.join(d.name for d in DTYPES)}")
     return x
 
 
