@@ -54,10 +54,15 @@ class Report:
     inserted: tuple  # passes.Inserted: the collectives, with their keys and variables
 
     def __str__(self):
-        lines = [f"{len(self.gradients)} gradients ({sum(k == 'sparse' for _, k in self.gradients)} sparse), "
-                 f"{len(self.inserted)} collectives inserted:"]
+        sparse = sum(k == "sparse" for _, k in self.gradients)
+        lines = [f"{_count(len(self.gradients), 'gradient')} ({sparse} sparse), "
+                 f"{_count(len(self.inserted), 'collective')} inserted:"]
         lines += [f"  {c.op} '{c.key}': {', '.join(c.variables)}" for c in self.inserted]
         return "\n".join(lines)
+
+
+def _count(n, noun):
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 class Rewritten:
