@@ -96,6 +96,27 @@ def test_fusion_bytes_sets_the_buckets():
     assert [len(c.variables) for c in small.report(x, y).inserted] == [2, 1, 1]
 
 
+def ancestors(op):
+    seen, stack = set(), [op]
+    while stack:
+        op = stack.pop()
+        if op.name not in seen:
+            seen.add(op.name)
+            stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
+    return seen
+
+
+def test_collectives_can_start_during_the_backward_pass():
+    """With one bucket per gradient, the last layer's collective does not wait for the first layer's
+    gradient: it may run while the backward pass goes on."""
+    step = kungfu.rewrite(train_step(*model_and_optimizer("mlp")), fusion_bytes=0)
+    graph = step.get_concrete_function(*batch("mlp")).graph
+    collectives = [op for op in graph.get_operations() if op.type == "KfGroupAllReduce"]
+    assert len(collectives) == 4
+    first, last = collectives[0], collectives[-1]  # in backward-pass order: last layer's bias, first layer's kernel
+    assert last.inputs[0].op.name not in ancestors(first)
+
+
 @pytest.mark.parametrize("kind,optimizer,opt_args", [
     ("mlp", "sgd", {}), ("mlp", "adam", {}), ("embedding", "sgd", {}), ("embedding", "adam", {}),
     ("bn", "sgd", {"momentum": 0.9}), ("mlp", "adam", {"global_clipnorm": 0.5})])
