@@ -61,7 +61,10 @@ def train_step(model, opt):
 
 def batch(kind, rows=8, seed=0):
     rng = np.random.default_rng(seed)
-    x = rng.normal(size=(rows, 6)).astype(np.float32) if kind != "embedding" else rng.integers(0, 20, (rows, 5), np.int32)
+    if kind == "embedding":
+        x = rng.integers(0, 20, (rows, 5), np.int32)
+    else:
+        x = rng.normal(size=(rows, 6)).astype(np.float32)
     return tf.constant(x), tf.constant(rng.normal(size=(rows, 3)).astype(np.float32))
 
 
@@ -269,7 +272,8 @@ def test_tf_conventions_hold():
               and "Shape" not in op.type and "Gather" not in op.type}
     assert writes and all(conv.is_variable_write(t) for t in writes), \
         f"2: Keras now updates trainable variables with {sorted(writes)}, which conv.is_variable_write does not know"
-    shapes = [op.type for op in ops if conv.in_gradient_scope(op.name) and re.search(r"/embedding[^/]*/Shape$", op.name)]
+    shapes = [op.type for op in ops
+              if conv.in_gradient_scope(op.name) and re.search(r"/embedding[^/]*/Shape$", op.name)]
     assert shapes and set(shapes) <= conv.SHAPE_OPS, \
         f"4: the dense shape of an embedding's IndexedSlices gradient now comes from {shapes}, not a SHAPE_OPS op"
     seen = []

@@ -2,8 +2,8 @@
 
 Every assumption the rewrite makes about TensorFlow's or Keras's graphs, or about TensorFlow internals,
 lives here, so that a TensorFlow or Keras upgrade that breaks one shows up in one place:
-tests/test_rewrite.py::test_tf_conventions_hold traces a small Keras step and checks each of them, naming
-the one that changed.
+tests/test_rewrite.py::test_tf_conventions_hold traces a small Keras step and checks those an upgrade
+could change (1, 2, 4, 5, 6), naming the one that did.
 
   1. tf.GradientTape.gradient builds the backward pass under a name scope "gradient_tape" (a second tape
      in one graph gets "gradient_tape_1", a user's name scope may prefix it).
@@ -11,7 +11,9 @@ the one that changed.
      and, for tf.IndexedSlices gradients, ResourceScatter*; TF 1-style optimizers use ResourceApply* and
      ResourceSparseApply*. The first input of each of these is the variable's resource handle.
   3. Keras passes dense gradients through an IdentityN (the replica context's "all_reduce" marker, a
-     tf.custom_gradient identity), whose output k is its input k.
+     tf.custom_gradient identity), whose output k is its input k: walking back through it must follow
+     output k to input k only, or every update would seem to depend on every gradient. (TF op semantics;
+     the marker being there or not makes no difference to the rewrite.)
   4. An IndexedSlices gradient (e.g. of tf.gather on an embedding) leaves the tape as loose tensors:
      float values, integer indices and a dense shape that is a Const or a Shape op.
   5. In a ConcreteFunction, cf.inputs are the argument placeholders followed by one placeholder per

@@ -74,10 +74,9 @@ def _boundary_tensors(ops):
 
 def _resource_root(t):
     """The op a resource handle comes from, seen through Identity ops."""
-    op = t.op
-    while op.type in conv.HANDLE_PASSTHROUGH_OPS and op.inputs:
-        op = op.inputs[t.value_index if op.type in conv.PER_OUTPUT_OPS else 0].op
-    return op.name
+    while t.op.type in conv.HANDLE_PASSTHROUGH_OPS and t.op.inputs:
+        t = t.op.inputs[t.value_index if t.op.type in conv.PER_OUTPUT_OPS else 0]
+    return t.op.name
 
 
 def _trainable_placeholders(cf, capture_phs):

@@ -74,8 +74,8 @@ def run_passes(passes, grads, ctx):
         out = pass_(list(grads), ctx)
         what = getattr(pass_, "__name__", repr(pass_))
         if not isinstance(out, (list, tuple)) or len(out) != len(grads):
-            raise ValueError(f"kungfu.rewrite: pass {what} must return a list of {len(grads)} Gradients, "
-                             f"got {type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (list, tuple)) else ""))
+            got = f"{type(out).__name__}" + (f" of {len(out)}" if isinstance(out, (list, tuple)) else "")
+            raise ValueError(f"kungfu.rewrite: pass {what} must return a list of {len(grads)} Gradients, got {got}")
         for old, new in zip(grads, out):
             _check_replacement(what, old, new)
         grads = list(out)

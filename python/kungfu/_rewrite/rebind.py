@@ -47,7 +47,8 @@ def plan(cf, sites):
     needed |= {t.name for t in cf.outputs}
     first_nodes = {n.name for n in cut.first.node}
     first_returns = sorted(t for t in needed if t not in removed_tensors and t.split(":")[0] in first_nodes)
-    return Plan(cf=cf, sites=sites, split=cut, arg_names=[t.name for t in arg_phs], arg_dtypes=[t.dtype for t in arg_phs],
+    return Plan(cf=cf, sites=sites, split=cut, arg_names=[t.name for t in arg_phs],
+                arg_dtypes=[t.dtype for t in arg_phs],
                 captures={ph.name: ext for ph, ext in zip(capture_phs, cf.captured_inputs)},
                 first_returns=first_returns)
 
