@@ -259,6 +259,41 @@ TEST(P2P, ResponseLargerThanTheFrameBoundGoesInPieces) {
   EXPECT_TRUE(out == big);
 }
 
+TEST(P2P, RequestRightAfterStartIsAnswered) {
+  // Rank 0 starts first and retries connecting to rank 1 every 50 ms; rank 1 requests as soon as its own
+  // start returns, often before rank 0's connection back to it exists: rank 0 answers once it does.
+  const PeerList peers = testing::LoopbackPeers(2);
+  std::vector<std::unique_ptr<Engine>> engines(2);
+  std::vector<float> x = {1.f, 2.f, 3.f};
+  std::thread first([&] {
+    EngineConfig c;
+    c.peers = peers;
+    c.rank = 0;
+    c.token = "t";
+    c.timeout_seconds = 10;
+    auto e = Engine::Start(c);
+    if (e.ok()) engines[0] = std::move(e.value());
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(120));
+  EngineConfig c;
+  c.peers = peers;
+  c.rank = 1;
+  c.token = "t";
+  c.timeout_seconds = 10;
+  auto e = Engine::Start(c);
+  ASSERT_OK(e.status());
+  engines[1] = std::move(e.value());
+  std::vector<float> out(3, 0.f);
+  int64_t version = -2;
+  EXPECT_OK(RequestSync(*engines[1], 0, "w", out.data(), 3, DType::kFloat32, &version));
+  EXPECT_EQ(version, -1);  // nothing saved yet, but answered
+  first.join();
+  ASSERT_TRUE(engines[0] != nullptr);
+  ASSERT_OK(engines[0]->Save("w", x.data(), 3, DType::kFloat32));
+  EXPECT_OK(RequestSync(*engines[1], 0, "w", out.data(), 3, DType::kFloat32, &version));
+  EXPECT_TRUE(out == x);
+}
+
 TEST(P2P, RequestAndResponseHeadersRoundTrip) {
   FrameHeader h;
   h.kind = FrameKind::kResponse;
