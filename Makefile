@@ -6,8 +6,8 @@
 #   make bazel-build  bazel build //:kungfu_ops  -> build/bazel/_kungfu.so
 #   make bazel-test   bazel test //cc:engine_test
 #   make test         all of the above, then pytest tests/
-#   make demo         kfrun -np 4 on examples/demo.py
-#   make bench        benchmarks/allreduce.py (writes benchmarks/results/)
+#   make demo         kfrun -np 4 on examples/keras_digits.py (S-SGD with model.fit)
+#   make bench        benchmarks/allreduce.py and benchmarks/training.py (write benchmarks/results/)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -106,11 +106,12 @@ test: deps
 
 demo: deps
 	@$(MAKE) --no-print-directory build
-	$(KFRUN) -np 4 $(PYTHON) examples/demo.py
+	$(KFRUN) -np 4 $(PYTHON) examples/keras_digits.py
 
 bench: deps
 	@$(MAKE) --no-print-directory build
 	$(PYTHON) benchmarks/allreduce.py
+	$(PYTHON) benchmarks/training.py
 
 clean:
 	rm -rf build dist *.egg-info python/*.egg-info
