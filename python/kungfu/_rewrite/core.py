@@ -1,9 +1,11 @@
 """kungfu.rewrite: make a training step distributed by editing its traced graph.
 
-A rewrite is made per concrete function: the traced graph bakes in shape-specific constants, so each
-new input signature is traced by the original tf.function, analysed (find.py) and rebuilt with the
-strategy's passes (rebind.py). The result is cached per concrete function and cluster size (a pass may
-bake size() in, as the S-SGD pass does for sparse gradients).
+A rewrite is made per concrete function: the traced graph bakes in shape-specific constants. The
+callable rewrite() returns is a tf.function of the step's signature; each of its traces takes the
+original's concrete function for the same arguments, finds its gradients (find.py) and rebuilds it
+with the strategy's passes in between (rebind.py). So TensorFlow's own per-signature cache holds the
+rewrites. There is one such tf.function per cluster size, since a pass may bake size() in (the S-SGD
+pass does, for sparse gradients).
 """
 
 import dataclasses
@@ -36,7 +38,7 @@ def rewrite(fn, strategy="ssgd", *, fusion_bytes=None):
     call (which needs kungfu.init()); a step whose gradients cannot be matched one to one with the
     trainable variables it updates raises ValueError then. See docs/rewrite.md.
     """
-    if strategy not in STRATEGIES:
+    if not isinstance(strategy, str) or strategy not in STRATEGIES:
         raise ValueError(f"kungfu.rewrite: strategy must be one of {', '.join(sorted(STRATEGIES))}; got {strategy!r}")
     if fusion_bytes is not None and (isinstance(fusion_bytes, bool) or not isinstance(fusion_bytes, int)
                                      or fusion_bytes < 0):
