@@ -2,8 +2,8 @@
 KungFu S-SGD (SynchronousSGDOptimizer, 2 workers under kfrun), TF MultiWorkerMirroredStrategy (RING, 2 local
 workers) and 1 worker alone, on synthetic data.
 
-    python3 benchmarks/training.py                        # mlp and cnn, 2 rounds, about 6 minutes
-    python3 benchmarks/training.py --quick                # a smoke run of about 3 minutes
+    python3 benchmarks/training.py                        # mlp and cnn, 3 rounds, about 5 minutes
+    python3 benchmarks/training.py --quick                # a smoke run of about 1.5 minutes
     python3 benchmarks/training.py --models=mlp --systems=kungfu,mwms --rounds=3
 
 Two more launches measure the communication share: KungFu with its gradient all-reduce skipped, and two
@@ -34,12 +34,14 @@ flags.DEFINE_list('systems', ['kungfu', 'mwms', 'single', 'kungfu_nocomm', 'apar
                   'kungfu, mwms, single (1 worker alone), kungfu_nocomm (collectives skipped), '
                   'apart (2 plain Keras processes at once); the last two give the comm shares')
 flags.DEFINE_integer('batch', 32, 'rows per worker per step (MWMS gets 2x this as its global batch)')
-flags.DEFINE_integer('steps', 30, 'steps per epoch; epochs are the unit of timing')
+flags.DEFINE_integer('steps', 50, 'steps per epoch; epochs are the unit of timing')
 flags.DEFINE_integer('epochs', 3, 'timed epochs per model and launch')
 flags.DEFINE_integer('warmup', 1, 'untimed epochs per model and launch before the timed ones')
-flags.DEFINE_integer('rounds', 2, 'times every launch is repeated, interleaved; timed epochs are pooled')
+flags.DEFINE_integer('rounds', 3, 'times every launch is repeated, interleaved; timed epochs are pooled')
 flags.DEFINE_bool('quick', False, 'smoke run: defaults --steps=10 --epochs=2 --rounds=1')
 flags.DEFINE_integer('launch_timeout', 0, 'seconds before a launch is killed; 0 derives it from the plan')
+flags.DEFINE_integer('fusion_bytes', None, 'SynchronousSGDOptimizer(fusion_bytes=...) for the kungfu runs; '
+                     'unset: the library default (4 MiB buckets)')
 flags.DEFINE_float('kungfu_timeout', 120, 'kfrun --timeout: seconds any KungFu wait may take')
 flags.DEFINE_string('launcher', sys.executable + ' -m kungfu.launcher', 'how to start kungfu workers')
 flags.DEFINE_string('out', os.path.join(os.path.dirname(os.path.abspath(__file__)), 'results', 'training.md'),
@@ -56,7 +58,7 @@ def _flag(name):
 def make_plan(out_dir):
     """What every worker is told (through common.PLAN_ENV)."""
     return dict(models=list(FLAGS.models), batch=FLAGS.batch, steps=_flag('steps'), epochs=_flag('epochs'),
-                warmup=FLAGS.warmup, out_dir=out_dir)
+                warmup=FLAGS.warmup, fusion_bytes=FLAGS.fusion_bytes, out_dir=out_dir)
 
 
 def launch_timeout(plan):
@@ -151,9 +153,10 @@ def run_meta(plan, rounds):
         ('software', 'Python %s, TensorFlow %s, Keras %s, kungfu library %s (tree %s)' % (
             platform.python_version(), _version('tensorflow'), _version('keras'), library, _git_head())),
         ('plan', 'batch %d per worker, Keras SGD(0.01, momentum 0.9), synthetic data; per model and launch %d '
-                 'warm-up + %d timed epochs of %d steps; %d round(s) of every launch, interleaved%s' % (
-                     plan['batch'], plan['warmup'], plan['epochs'], plan['steps'], rounds,
-                     ' (--quick)' if FLAGS.quick else '')),
+                 'warm-up + %d timed epochs of %d steps; %d round(s) of every launch, interleaved; kungfu fusion_bytes '
+                 '%s%s' % (plan['batch'], plan['warmup'], plan['epochs'], plan['steps'], rounds,
+                           'default' if plan['fusion_bytes'] is None else plan['fusion_bytes'],
+                           ' (--quick)' if FLAGS.quick else '')),
     ]
 
 

@@ -4,14 +4,14 @@ timed the same way.
 The driver passes the plan through the environment (PLAN_ENV, JSON): the models, the per-worker batch,
 steps per epoch, warm-up and timed epochs, the output folder and the series name. A worker trains each
 model with model.fit for warmup + epochs epochs of `steps` steps and writes one JSON file per rank:
-    {model: {"epochs": [seconds of each timed epoch, ...], ...extra counters}}
+    {model: {"epochs": [seconds of each timed epoch, ...], "weights": digest, ...extra counters}}
 
 Timing: an epoch-hook callback (EpochTimer). Only epoch hooks are overridden, so Keras keeps its
 asynchronous batch dispatch, exactly as in a user's fit; each epoch ends with Keras turning the logs into
 Python numbers, which waits for the epoch's last step, so an epoch's time covers all of its steps. The
 warm-up epochs (tracing, first collectives, connection set-up) are dropped.
 
-Data: synthetic, made once per process from a fixed seed and kept in memory (tf.data from_tensor_slices,
+Data: synthetic, made once per process from a fixed seed per rank and kept in memory (tf.data from_tensor_slices,
 batch, cache, repeat), so input costs are the same small memcpy for every system and nothing is downloaded.
 """
 import json
@@ -60,18 +60,18 @@ def plain_sgd():
     return keras.optimizers.SGD(0.01, momentum=0.9)
 
 
-def arrays(name, rows):
-    """Random inputs in [0, 1) and labels, the same in every process."""
+def arrays(name, rows, rank=0):
+    """Random inputs in [0, 1) and labels; every rank draws its own, so workers train on different data."""
     import numpy as np
-    rng = np.random.RandomState(7)
+    rng = np.random.RandomState(7 + rank)
     x = rng.uniform(size=(rows,) + input_shape(name)).astype(np.float32)
     return x, rng.randint(0, CLASSES, size=rows).astype(np.int64)
 
 
-def dataset(name, batch, shard_options=None):
+def dataset(name, batch, rank=0, shard_options=None):
     """Endless batches of `batch` rows. shard_options: tf.data.Options for a tf.distribute strategy."""
     import tensorflow as tf
-    x, y = arrays(name, DISTINCT_BATCHES * batch)
+    x, y = arrays(name, DISTINCT_BATCHES * batch, rank)
     ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(batch, drop_remainder=True).cache().repeat()
     if shard_options is not None:
         ds = ds.with_options(shard_options)
@@ -129,6 +129,13 @@ def train(model, data, plan, callbacks=()):
     model.fit(data, steps_per_epoch=plan['steps'], epochs=plan['warmup'] + plan['epochs'], verbose=0,
               shuffle=False, callbacks=list(callbacks) + [timer])
     return timer.seconds[plan['warmup']:]
+
+
+def weights_digest(model):
+    """Per variable, the sum of its values: equal on every worker after synchronous training (each worker
+    trained on its own data, so equal weights mean the gradients were averaged), different otherwise."""
+    import numpy as np
+    return [float(np.sum(w, dtype=np.float64)) for w in model.get_weights()]
 
 
 def log(rank, text):

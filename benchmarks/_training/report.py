@@ -17,12 +17,15 @@ class Cell:
         self.steps = steps  # steps per epoch
         self.epochs = []  # slowest rank's seconds per timed epoch
         self.extra = {}  # rank 0's counters (kungfu: collectives and bytes sent per step)
+        self.in_sync = []  # per launch of several ranks: did all ranks end with the same weights?
 
     def add(self, per_rank):
         """per_rank: [{'epochs': [...], ...} for each rank] of one launch."""
         n = min(len(r['epochs']) for r in per_rank)
         self.epochs += [max(r['epochs'][i] for r in per_rank) for i in range(n)]
-        self.extra.update({k: v for k, v in per_rank[0].items() if k != 'epochs'})
+        self.extra.update({k: v for k, v in per_rank[0].items() if k not in ('epochs', 'weights')})
+        if len(per_rank) > 1 and all('weights' in r for r in per_rank):
+            self.in_sync.append(all(_close(r['weights'], per_rank[0]['weights']) for r in per_rank[1:]))
 
     @property
     def step_seconds(self):
@@ -32,6 +35,10 @@ class Cell:
     def spread(self):
         """(fastest, slowest) seconds per step over the timed epochs."""
         return min(self.epochs) / self.steps, max(self.epochs) / self.steps
+
+
+def _close(a, b, rtol=1e-4):
+    return len(a) == len(b) and all(abs(x - y) <= rtol * max(1.0, abs(x), abs(y)) for x, y in zip(a, b))
 
 
 def _get(results, label, model):
@@ -86,6 +93,24 @@ def kungfu_traffic(results, models):
     return 'KungFu engine counters over the timed epochs: ' + '; '.join(parts) + '.' if parts else ''
 
 
+def sync_check(results, models, labels):
+    """Each worker trains on its own data, so equal weights at the end show the gradients were averaged."""
+    lines = []
+    for label in labels:
+        for model in models:
+            cell = results.get(label, {}).get(model)
+            if cell is None or not cell.in_sync:
+                continue
+            same = sum(cell.in_sync)
+            synchronous = label in (S.KUNGFU, S.MWMS)
+            ok = same == len(cell.in_sync) if synchronous else same == 0
+            verdict = 'as expected' if ok else 'NOT as expected: %s' % (
+                'its workers did not average their gradients' if synchronous else 'they should differ')
+            lines.append('- %s, %s: workers ended with equal weights in %d of %d launches (%s)' % (
+                label, model, same, len(cell.in_sync), verdict))
+    return '\n'.join(lines)
+
+
 def targets(results, models):
     lines = []
     for model in models:
@@ -125,7 +150,13 @@ def render(results, models, labels, batch, meta, failures):
     traffic = kungfu_traffic(results, models)
     if traffic:
         parts += [traffic, '']
-    parts += ['## Targets (shown, not asserted)', '', targets(results, models), '', '## How to read it', '']
+    parts += ['## Targets (shown, not asserted)', '', targets(results, models), '']
+    sync = sync_check(results, models, labels)
+    if sync:
+        parts += ['## Do the workers train together?', '',
+                  'Every worker trains on its own random data, so the workers\' weights agree at the end only '
+                  'if every step averaged their gradients.', '', sync, '']
+    parts += ['## How to read it', '']
     parts += ['- ' + n for n in NOTES] + ['']
     if failures:
         parts += ['## Failed launches', '']

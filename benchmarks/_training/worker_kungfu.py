@@ -58,14 +58,16 @@ def main():
     for name in plan['models']:
         common.log(rank, '%s: %d workers, batch %d per worker' % (name, kungfu.size(), plan['batch']))
         model = common.build_model(name, seed=1 + rank)  # differs until the broadcast
-        common.compile_model(model, kungfu.optimizers.SynchronousSGDOptimizer(common.plain_sgd()))
-        data = common.dataset(name, plan['batch'])
+        opt = kungfu.optimizers.SynchronousSGDOptimizer(common.plain_sgd(), fusion_bytes=plan.get('fusion_bytes'))
+        common.compile_model(model, opt)
+        data = common.dataset(name, plan['batch'], rank)
         counters = EngineCounters(plan['warmup'])
         callbacks = [kf_callbacks.BroadcastGlobalVariablesCallback(0), counters]
         if plan.get('skip_comm'):  # no collective keeps the workers in step any more
             callbacks.append(common.start_together(plan, rank, kungfu.size(), name))
         epochs = common.train(model, data, plan, callbacks)
-        results[name] = dict(epochs=epochs, **counters.per_step(plan['steps'] * plan['epochs']))
+        results[name] = dict(epochs=epochs, weights=common.weights_digest(model),
+                             **counters.per_step(plan['steps'] * plan['epochs']))
     common.write_results(plan, rank, results)
 
 

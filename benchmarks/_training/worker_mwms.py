@@ -3,8 +3,8 @@ collectives, the model built and compiled inside strategy.scope() and trained wi
 
 The dataset is batched with the global batch (plan['batch'] times the number of workers), as MWMS expects;
 the strategy splits each global batch so every worker computes on plan['batch'] rows, the same per-worker
-work as the other systems. Auto-sharding is off: the data is synthetic and the same on every worker, so
-there is nothing to shard (and sharding a cached in-memory dataset by file is not possible).
+work as the other systems. Auto-sharding is off: every worker makes its own synthetic data (seeded by its
+rank), so there is nothing to shard.
 """
 import os
 
@@ -70,10 +70,11 @@ def main():
         with strategy.scope():
             model = common.build_model(name)  # MWMS makes the workers' variables equal on creation
             common.compile_model(model, common.plain_sgd())
-        data = common.dataset(name, plan['batch'] * workers, data_options)
+        data = common.dataset(name, plan['batch'] * workers, rank, data_options)
         _check_local_batch(strategy, data, plan['batch'])
-        _build_from_local_batch(model, strategy, common.arrays(name, plan['batch']))
-        results[name] = dict(epochs=common.train(model, data, plan))
+        _build_from_local_batch(model, strategy, common.arrays(name, plan['batch'], rank))
+        epochs = common.train(model, data, plan)
+        results[name] = dict(epochs=epochs, weights=common.weights_digest(model))
     common.write_results(plan, rank, results)
 
 

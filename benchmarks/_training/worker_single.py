@@ -20,7 +20,8 @@ def main():
         model = common.build_model(name)
         common.compile_model(model, common.plain_sgd())
         together = [common.start_together(plan, rank, ranks, name)] if ranks > 1 else []
-        results[name] = dict(epochs=common.train(model, common.dataset(name, plan['batch']), plan, together))
+        epochs = common.train(model, common.dataset(name, plan['batch'], rank), plan, together)
+        results[name] = dict(epochs=epochs, weights=common.weights_digest(model))
     common.write_results(plan, rank, results)
 
 
