@@ -136,6 +136,11 @@ NOTES = [
     'workers at once) / t(MWMS): everything MWMS adds over two independent processes (collectives, '
     'per-replica bookkeeping, its distributed input pipeline).',
     'vs 2 apart: the same measure for both distributed systems: 1 - t(2 plain Keras workers at once) / t(system).',
+    'MWMS under Keras 3.15: model.fit does not run out of the box (keras-team/keras#20585). Its worker '
+    'patches two Keras internals, in its own process only: the model is built from a local batch instead '
+    'of an eagerly reduced per-replica one, and each step logs the worker\'s own loss instead of a mean over '
+    'workers that fails on a scalar. The second also spares MWMS a scalar all-reduce per step; the training '
+    'steps are otherwise Keras\'s own (see _training/worker_mwms.py).',
     'Both workers of a 2-worker run share this machine\'s cores: their computations compete with each other '
     '(and with the engines\' threads), so a 2-worker step is slower than a 1-worker step even with no '
     'communication, and while one worker waits on the network the other computes faster. The comm shares '
