@@ -91,3 +91,11 @@ def checks_problems(out, checks, np_):
             results[(int(m.group(1)), m.group(2))] = "OK" if m.group(3) == "OK" else m.group(4)
     return [f"rank {rank} {check}: {results.get((rank, check), 'no report')}"
             for check in checks for rank in range(np_) if results.get((rank, check)) != "OK"]
+
+
+def assert_checks_passed(code, out, checks, np_):
+    """Fails the test, with the reasons and the output's tail, unless every rank reported every check OK
+    and the launch exited 0."""
+    problems = checks_problems(out, checks, np_)
+    assert not problems, "\n".join(problems) + "\n--- output tail ---\n" + out[-4000:]
+    assert code == 0, out[-4000:]

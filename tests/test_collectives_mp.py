@@ -16,7 +16,7 @@ import time
 import pytest
 
 from conftest import REPO
-from mp import checks_problems, launch
+from mp import assert_checks_passed, launch
 
 pytestmark = pytest.mark.usefixtures("kungfu_library")  # fails, naming the fix, when it is not built
 
@@ -30,9 +30,7 @@ CHECKS = ["all_reduce_values_eager", "all_reduce_values_in_one_function", "group
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
 def test_collectives(np_, tmp_path):
     code, out = launch(np_, [WORKER, "checks"], tmp_path, timeout=30, budget=240)
-    problems = checks_problems(out, CHECKS, np_)
-    assert not problems, "\n".join(problems) + "\n--- output tail ---\n" + out[-4000:]
-    assert code == 0, out[-4000:]
+    assert_checks_passed(code, out, CHECKS, np_)
 
 
 def test_peer_killed_mid_collective(tmp_path):

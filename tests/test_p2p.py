@@ -17,7 +17,7 @@ import kungfu
 from conftest import REPO
 from kungfu import errors
 from kungfu.ops import p2p
-from mp import checks_problems, launch
+from mp import assert_checks_passed, checks_problems, launch
 
 pytestmark = pytest.mark.usefixtures("kungfu_library")  # fails, naming the fix, when it is not built
 
@@ -129,9 +129,7 @@ CHECKS = ["every_rank_gets_every_ranks_values_and_versions", "not_found_gives_de
 @pytest.mark.parametrize("np_", [2, 4])
 def test_p2p_across_processes(np_, tmp_path):
     code, out = launch(np_, [WORKER, "checks"], tmp_path, timeout=30, budget=240)
-    problems = checks_problems(out, CHECKS, np_)
-    assert not problems, "\n".join(problems) + "\n--- output tail ---\n" + out[-4000:]
-    assert code == 0, out[-4000:]
+    assert_checks_passed(code, out, CHECKS, np_)
 
 
 @pytest.mark.parametrize("np_", [2, 3])

@@ -21,7 +21,7 @@ from conftest import REPO
 from kungfu._rewrite import _conventions as conv
 from kungfu._rewrite import core
 from kungfu._rewrite.ssgd import ssgd
-from mp import checks_problems, launch
+from mp import assert_checks_passed, launch
 
 pytestmark = pytest.mark.usefixtures("kungfu_library")  # fails, naming the fix, when it is not built
 
@@ -296,6 +296,4 @@ CHECKS = ["ssgd_mlp_sgd_matches_combined_batch", "ssgd_mlp_adam_matches_combined
 @pytest.mark.parametrize("np_", [2, 4])
 def test_ssgd_across_workers(np_, tmp_path):
     code, out = launch(np_, [WORKER], tmp_path, timeout=60, budget=300)
-    problems = checks_problems(out, CHECKS, np_)
-    assert not problems, "\n".join(problems) + "\n--- output tail ---\n" + out[-4000:]
-    assert code == 0, out[-4000:]
+    assert_checks_passed(code, out, CHECKS, np_)
