@@ -1,0 +1,127 @@
+// Kernels of KfGradientNoiseScale and KfResetMonitor.
+//
+// State and threading: each monitor name owns one MonitorState in a process-wide registry. The
+// registry and every state are guarded by one mutex: the work under it is a few flops, and a monitor
+// runs once per step, so one lock costs nothing measurable and keeps the code obvious. The state
+// lives outside the kernel so that a retraced tf.function (a new kernel instance) continues the same
+// EMA, and so that KfResetMonitor can reach it.
+//
+// Arithmetic is in double; an estimate is accepted only when it is finite as a float, so the EMAs (a
+// convex combination of accepted estimates) always fit the float outputs.
+#include <cfloat>
+#include <cmath>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/tensor.h"
+
+namespace kungfu_tf {
+namespace {
+
+using tensorflow::OpKernel;
+using tensorflow::OpKernelConstruction;
+using tensorflow::OpKernelContext;
+using tensorflow::Tensor;
+using tensorflow::TensorShape;
+
+struct MonitorState {
+  bool initialized = false;  // false until the first accepted estimate
+  double g_sq = 0;           // EMA of the |G|^2 estimates
+  double trace = 0;          // EMA of the tr(Sigma) estimates
+};
+
+std::mutex registry_mu;
+std::map<std::string, MonitorState>& Registry() {  // guarded by registry_mu; never destroyed
+  static auto* registry = new std::map<std::string, MonitorState>();
+  return *registry;
+}
+
+bool FiniteFloat(double x) { return std::isfinite(x) && std::fabs(x) <= FLT_MAX; }
+
+// The two unbiased estimates from one step, or false when an input or an estimate is not finite.
+// Negative estimates are kept: they are noise around a small true value, and clipping them at 0 would
+// bias the EMA upwards.
+bool Estimate(double g_small_sq, double g_big_sq, double b_small, double b_big, double* g_sq, double* trace) {
+  if (!std::isfinite(g_small_sq) || !std::isfinite(g_big_sq)) return false;
+  *g_sq = (b_big * g_big_sq - b_small * g_small_sq) / (b_big - b_small);
+  *trace = (g_small_sq - g_big_sq) / (1.0 / b_small - 1.0 / b_big);
+  return FiniteFloat(*g_sq) && FiniteFloat(*trace);
+}
+
+// B_simple from the EMAs; 0 means "no estimate yet": before the first estimate, and while either EMA
+// is not positive (a negative noise scale or one over a non-positive |G|^2 is meaningless).
+double NoiseScale(const MonitorState& s) {
+  if (!s.initialized || !(s.g_sq > 0) || !(s.trace > 0)) return 0;
+  const double gns = s.trace / s.g_sq;
+  return FiniteFloat(gns) ? gns : 0;
+}
+
+float Scalar(OpKernelContext* ctx, int i) { return ctx->input(i).scalar<float>()(); }
+
+class GradientNoiseScaleOp : public OpKernel {
+ public:
+  explicit GradientNoiseScaleOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("key", &key_));
+    OP_REQUIRES_OK(c, c->GetAttr("alpha", &alpha_));
+    OP_REQUIRES(c, !key_.empty(), absl::InvalidArgumentError("gradient noise scale: the key must not be empty"));
+    OP_REQUIRES(c, alpha_ > 0 && alpha_ <= 1,
+                absl::InvalidArgumentError(absl::StrCat("gradient noise scale '", key_,
+                                                        "': alpha must be in (0, 1], got ", alpha_)));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const double b_small = Scalar(ctx, 2), b_big = Scalar(ctx, 3);
+    OP_REQUIRES(ctx, std::isfinite(b_big) && b_big > b_small && b_small > 0,
+                absl::InvalidArgumentError(absl::StrCat("gradient noise scale '", key_,
+                                                        "': needs b_big > b_small > 0, got b_small=", b_small,
+                                                        " b_big=", b_big)));
+    double g_sq = 0, trace = 0;
+    const bool ok = Estimate(Scalar(ctx, 0), Scalar(ctx, 1), b_small, b_big, &g_sq, &trace);
+    MonitorState s;
+    {
+      std::lock_guard<std::mutex> lock(registry_mu);
+      MonitorState& state = Registry()[key_];
+      if (ok && !state.initialized) {
+        state = MonitorState{true, g_sq, trace};
+      } else if (ok) {
+        state.g_sq = (1 - alpha_) * state.g_sq + alpha_ * g_sq;
+        state.trace = (1 - alpha_) * state.trace + alpha_ * trace;
+      }
+      s = state;
+    }
+    SetOutput(ctx, 0, NoiseScale(s));
+    SetOutput(ctx, 1, s.g_sq);
+    SetOutput(ctx, 2, s.trace);
+  }
+
+ private:
+  static void SetOutput(OpKernelContext* ctx, int i, double value) {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(i, TensorShape({}), &out));
+    out->scalar<float>()() = static_cast<float>(value);
+  }
+
+  std::string key_;  // the monitor's name in the registry
+  float alpha_;      // EMA weight of a new estimate, in (0, 1]
+};
+
+class ResetMonitorOp : public OpKernel {
+ public:
+  explicit ResetMonitorOp(OpKernelConstruction* c) : OpKernel(c) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const std::string key(ctx->input(0).scalar<tensorflow::tstring>()());
+    std::lock_guard<std::mutex> lock(registry_mu);
+    Registry().erase(key);
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("KfGradientNoiseScale").Device(tensorflow::DEVICE_CPU), GradientNoiseScaleOp);
+REGISTER_KERNEL_BUILDER(Name("KfResetMonitor").Device(tensorflow::DEVICE_CPU), ResetMonitorOp);
+
+}  // namespace
+}  // namespace kungfu_tf

@@ -1,0 +1,57 @@
+// Op definitions of the training monitors. Kernels in monitor_kernels.cc; formulas and the handling of
+// non-finite and negative estimates in docs/monitoring.md ("Operators").
+//
+// These ops talk to no other worker: the caller feeds them norms it has already reduced. They keep
+// state (an EMA per monitor name, in a process-wide registry), so they are stateful: TF must neither
+// fold, dedupe nor prune them, and the state survives retracing because it lives outside the kernel.
+// The monitor name of KfGradientNoiseScale is an attr: a monitor has one fixed name, so the eager
+// kernel cache holds one kernel per monitor, not one per call.
+#include "absl/status/status.h"
+#include "tensorflow/core/framework/common_shape_fns.h"
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/shape_inference.h"
+
+namespace kungfu_tf {
+namespace {
+
+using tensorflow::shape_inference::InferenceContext;
+using tensorflow::shape_inference::ShapeHandle;
+
+// Every input must be a scalar; every output is one.
+absl::Status AllScalars(InferenceContext* c) {
+  ShapeHandle unused;
+  for (int i = 0; i < c->num_inputs(); ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+  for (int i = 0; i < c->num_outputs(); ++i) c->set_output(i, c->Scalar());
+  return absl::OkStatus();
+}
+
+REGISTER_OP("KfGradientNoiseScale")
+    .Input("g_small_sq: float")
+    .Input("g_big_sq: float")
+    .Input("b_small: float")
+    .Input("b_big: float")
+    .Output("gns: float")
+    .Output("g_sq: float")
+    .Output("trace: float")
+    .Attr("key: string")
+    .Attr("alpha: float = 0.1")
+    .SetIsStateful()
+    .SetShapeFn(AllScalars)
+    .Doc(R"doc(Gradient noise scale B_simple = EMA(tr Sigma) / EMA(|G|^2) (McCandlish et al.) from the
+squared gradient norm g_small_sq at batch b_small (one worker's gradient) and g_big_sq at b_big (the
+all-reduced one):
+  |G|^2    = (b_big * g_big_sq - b_small * g_small_sq) / (b_big - b_small)
+  tr Sigma = (g_small_sq - g_big_sq) / (1/b_small - 1/b_big)
+ema = (1 - alpha) * ema + alpha * x; the first finite estimate initialises it. The EMAs live in a
+process-wide registry under `key`. Non-finite inputs or estimates leave the EMAs unchanged; negative
+estimates are averaged in. gns is 0 ("no estimate yet") unless both EMAs are positive and the ratio is
+finite. g_sq and trace are the EMAs (0 before the first estimate). Needs b_big > b_small > 0.)doc");
+
+REGISTER_OP("KfResetMonitor")
+    .Input("key: string")
+    .SetIsStateful()
+    .SetShapeFn(AllScalars)
+    .Doc("Forgets the state of the monitor named `key` (a no-op when it has none).");
+
+}  // namespace
+}  // namespace kungfu_tf
