@@ -29,6 +29,7 @@ _LAZY = {
     "broadcast_variables": ("._variables", "broadcast_variables"),
     "rewrite": ("._rewrite", "rewrite"),
     "optimizers": (".optimizers", None),
+    "monitor": (".monitor", None),
     "keras": (".keras", None),
 }
 

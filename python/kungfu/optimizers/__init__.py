@@ -6,7 +6,8 @@
 SynchronousSGDOptimizer (all-reduced gradients), SynchronousAveragingOptimizer (synchronous model
 averaging) and PairAveragingOptimizer (asynchronous pair averaging) are the same wrapper started with
 different strategies; opt.strategy = "ssgd" | "sma" | "pair_averaging" switches between them at any
-step without retracing. See docs/training.md.
+step without retracing. See docs/training.md. monitor=["gns", "variance", "snr"] adds in-graph
+training monitors, read with kungfu.monitor.latest() (docs/monitoring.md).
 """
 
 from ._wrapper import STRATEGIES

@@ -89,9 +89,14 @@ def _reducible(g):
     return g
 
 
-def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=False):
+def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=False, extra=()):
     """The mean of each gradient over all workers; None stays None. variables (optional, same length)
-    only name the gradients in the one-time log line of how each is reduced."""
+    only name the gradients in the one-time log line of how each is reduced.
+
+    extra: more dense tensors (e.g. a monitor's scalar) averaged in the same collectives as the dense
+    gradients, so they cost no collective of their own; their means follow the gradients in the
+    result. They go into the bucket of the first gradients (sent last), which waits for all of
+    backprop anyway, so a value computed from every gradient delays no bucket."""
     fusion_bytes = check_fusion_bytes(fusion_bytes)
     variables = variables if variables is not None else [None] * len(grads)
     out = list(grads)
@@ -114,9 +119,11 @@ def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=Fal
             dense.append(i)
             choices.append((_var_name(v), "dense, all-reduce"))
     _log_choices(choices)
-    for i, r in zip(dense, mean_tensors([out[i] for i in dense], fusion_bytes)):
+    extra = [tf.convert_to_tensor(t) for t in extra]
+    reduced = mean_tensors(extra + [out[i] for i in dense], fusion_bytes)
+    for i, r in zip(dense, reduced[len(extra):]):
         out[i] = r
-    return out
+    return out + reduced[:len(extra)]
 
 
 def mean_tensors(tensors, fusion_bytes=None):

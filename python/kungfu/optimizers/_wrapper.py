@@ -19,11 +19,17 @@ for the same collective on every worker): set it on every worker between the sam
 from a policy, whose decisions agree across workers.
 
 With one worker, apply() is the base optimizer's: every strategy is plain local training.
+
+Monitors (monitor=["gns", "variance", "snr"]): kungfu.monitor.Monitors keeps their variables and
+graph code. Only the ssgd branch computes them (it has both the local and the all-reduced gradients);
+sma and pair_averaging steps leave them as they were. With one worker only the throughput is measured.
+See docs/monitoring.md ("Using monitors").
 """
 
 import tensorflow as tf
 
 from .. import _lib
+from .. import monitor as _monitor
 from . import _averaging
 from . import _reduce
 
@@ -48,6 +54,7 @@ class _Settings:
         self.alpha = alpha
         self.fusion_bytes = fusion_bytes
         self.sparse_as_dense = sparse_as_dense
+        self.monitors = None  # kungfu.monitor.Monitors when monitors were requested
 
 
 class DistributedMixin:
@@ -78,9 +85,29 @@ class DistributedMixin:
     def sma_alpha(self):
         return self._kungfu.alpha
 
+    @property
+    def local_batch_size(self):
+        """This worker's batch size as the monitors know it (None without monitors or batch size)."""
+        m = self._kungfu.monitors
+        return float(m.batch.numpy()) if m is not None and m.has_batch else None
+
+    @local_batch_size.setter
+    def local_batch_size(self, n):
+        self.set_local_batch_size(n)
+
+    def set_local_batch_size(self, n):
+        """Tells the monitors this worker's new batch size, from the next step on; no retrace."""
+        m = self._kungfu.monitors
+        if m is None or not m.has_batch:
+            raise ValueError(f"{self.name} has no monitors with a batch size; pass monitor=[...] and "
+                             "local_batch_size= to DistributedOptimizer")
+        return m.set_local_batch_size(n)
+
     def apply(self, grads, trainable_variables=None):
         _lib.require_init(f"{type(self).__name__} (a kungfu distributed optimizer)")
         grads = list(grads)
+        if grads and self._kungfu.monitors is not None:
+            self._kungfu.monitors.tick(grads)
         if not grads or _lib.size() == 1:
             return super().apply(grads, trainable_variables)
         if trainable_variables is None:
@@ -107,7 +134,16 @@ class DistributedMixin:
         g_live, v_live = [grads[i] for i in live], [variables[i] for i in live]
 
         def ssgd():
-            return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense)
+            m = kf.monitors
+            if m is None or not m.reduces:
+                return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense)
+            due = m.due(self.iterations)
+            # This worker's squared norm rides in the gradients' own all-reduce: no extra collective.
+            out = _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
+                                         extra=[m.local_sq_norm(g_live, due)])
+            reduced = out[:len(g_live)]
+            with tf.control_dependencies([m.update(due, out[-1], reduced)]):
+                return [tf.identity(g) if isinstance(g, tf.Tensor) else g for g in reduced]
 
         def sma():
             _averaging.sma_update(v_live, kf.alpha, kf.fusion_bytes)
@@ -136,13 +172,18 @@ class DistributedMixin:
         tf.cond(is_pair, publish, lambda: tf.constant(False))
 
 
-def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=None, sparse_as_dense=False):
+def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=None, sparse_as_dense=False,
+                         monitor=None, monitor_interval=1, local_batch_size=None):
     """optimizer (any Keras 3 optimizer, not yet used), distributed over the workers.
 
     strategy: "ssgd", "sma" or "pair_averaging"; change it later with .strategy = ... or
     .set_strategy(...). alpha: SMA's step toward the average, in (0, 1]. fusion_bytes: size of the
     gradient buckets (default 4 MiB; 0: one collective per gradient). sparse_as_dense: all-reduce
     IndexedSlices gradients as dense tensors instead of all-gathering them.
+    monitor: None or a list from "gns", "variance", "snr", computed in S-SGD steps every
+    monitor_interval steps; read them with kungfu.monitor.latest(). local_batch_size: this worker's
+    batch size (an int, or a tf.Variable to follow; or .set_local_batch_size(n) later), needed by
+    "gns" and "snr", and for samples_per_sec. See docs/monitoring.md.
     """
     import keras
 
@@ -157,6 +198,7 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
         raise ValueError(f"alpha must be a number in (0, 1], got {alpha!r}")
     fusion_bytes = _reduce.check_fusion_bytes(fusion_bytes)
+    names, monitor_interval = _monitor.check_arguments(monitor, monitor_interval, local_batch_size)
     base = type(optimizer)
     cls = _classes.get(base)
     if cls is None:
@@ -166,21 +208,27 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
         _classes[base] = cls
     wrapped = cls.from_config(optimizer.get_config())
     wrapped._kungfu = _Settings(strategy, float(alpha), fusion_bytes, bool(sparse_as_dense))
+    if monitor is not None:
+        wrapped._kungfu.monitors = _monitor.Monitors(names, monitor_interval, local_batch_size, wrapped.name)
     return wrapped
 
 
-def SynchronousSGDOptimizer(optimizer, fusion_bytes=None, sparse_as_dense=False):
-    """Synchronous SGD: every step applies the mean of all workers' gradients (all-reduce)."""
-    return DistributedOptimizer(optimizer, "ssgd", fusion_bytes=fusion_bytes, sparse_as_dense=sparse_as_dense)
+def SynchronousSGDOptimizer(optimizer, fusion_bytes=None, sparse_as_dense=False, **monitors):
+    """Synchronous SGD: every step applies the mean of all workers' gradients (all-reduce).
+    monitors: monitor=, monitor_interval=, local_batch_size=, as for DistributedOptimizer."""
+    return DistributedOptimizer(optimizer, "ssgd", fusion_bytes=fusion_bytes, sparse_as_dense=sparse_as_dense,
+                                **monitors)
 
 
-def SynchronousAveragingOptimizer(optimizer, alpha=0.1, fusion_bytes=None):
+def SynchronousAveragingOptimizer(optimizer, alpha=0.1, fusion_bytes=None, **monitors):
     """Synchronous model averaging: every step each worker moves its model a fraction alpha toward
-    the workers' average model, then applies its own gradients."""
-    return DistributedOptimizer(optimizer, "sma", alpha=alpha, fusion_bytes=fusion_bytes)
+    the workers' average model, then applies its own gradients. monitors: as for
+    DistributedOptimizer; they are computed only in S-SGD steps (after a switch to "ssgd")."""
+    return DistributedOptimizer(optimizer, "sma", alpha=alpha, fusion_bytes=fusion_bytes, **monitors)
 
 
-def PairAveragingOptimizer(optimizer, fusion_bytes=None):
+def PairAveragingOptimizer(optimizer, fusion_bytes=None, **monitors):
     """Asynchronous decentralised SGD (AD-PSGD): every step each worker averages its model with that
-    of one random peer, fetched from the peer's model store without waiting for the peer."""
-    return DistributedOptimizer(optimizer, "pair_averaging", fusion_bytes=fusion_bytes)
+    of one random peer, fetched from the peer's model store without waiting for the peer. monitors:
+    as for DistributedOptimizer; computed only in S-SGD steps."""
+    return DistributedOptimizer(optimizer, "pair_averaging", fusion_bytes=fusion_bytes, **monitors)

@@ -7,5 +7,6 @@
 
 from .broadcast_global_variables import BroadcastGlobalVariablesCallback
 from .metric_average import MetricAverageCallback
+from .monitor import MonitorCallback
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback"]
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "MonitorCallback"]

@@ -1,0 +1,137 @@
+"""The worker of test_monitor_integration.py's multi-process test, started N times by kfrun. Not a
+test module itself.
+
+    python -m kungfu.launcher -np N -- python tests/monitor_worker.py
+
+Prints one "KFCHECK <name> OK|FAIL ..." line per check (tests/mp.py). Each worker trains a small
+model on its own random data with SynchronousSGDOptimizer(monitor=[...]):
+- gns_matches_reference: the wrapper's gns, grad_variance and snr equal tests/monitor_reference.py fed
+  with the same squared norms: the workers' mean local |g|^2 (gathered with kungfu.all_gather) and
+  the squared norm of the all-reduced gradient;
+- workers_agree: latest()'s gns, grad_variance and snr are bit-identical on every worker;
+- interval_runs_every_k_steps_without_retrace: with monitor_interval=3 the monitors change only at
+  steps 0, 3, 6, ..., a batch size change included, and the step is traced once.
+"""
+
+import mp
+
+mp.worker_started()  # first thing, so the test can kill this process on every path
+
+import sys  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kungfu  # noqa: E402
+from kungfu.ops import monitor as monitor_ops  # noqa: E402
+from monitor_reference import GradientNoiseScale  # noqa: E402
+
+BATCH, FEATURES, CLASSES, STEPS = 8, 6, 3, 12
+
+
+def setup(monitor_interval=1, local_batch_size=BATCH):
+    keras.utils.set_random_seed(1)  # the same model on every worker
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(CLASSES)])
+    opt = kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.05), monitor=["gns", "variance", "snr"],
+                                                    monitor_interval=monitor_interval,
+                                                    local_batch_size=local_batch_size)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    rng = np.random.RandomState(10 + kungfu.rank())  # different data on every worker
+    x = rng.normal(size=(STEPS * BATCH, FEATURES)).astype(np.float32)
+    y = rng.randint(0, CLASSES, size=len(x)).astype(np.int64)
+    traces = []
+
+    @tf.function
+    def step(x, y):
+        traces.append(1)
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        grads = tape.gradient(value, model.trainable_variables)
+        local_sq = monitor_ops.squared_norm(grads)  # as the wrapper computes it
+        global_sq = monitor_ops.squared_norm(kungfu.group_all_reduce(grads, op="mean"))
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return local_sq, global_sq
+
+    batches = [(x[t * BATCH:(t + 1) * BATCH], y[t * BATCH:(t + 1) * BATCH]) for t in range(STEPS)]
+    return opt, step, batches, traces
+
+
+def close(got, want, what, rtol=2e-3):
+    if not abs(got - want) <= rtol * max(abs(want), 1e-6):
+        raise AssertionError(f"{what}: wrapper {got!r}, numpy reference {want!r}")
+
+
+CHECKS = []
+
+
+@CHECKS.append
+def gns_matches_reference():
+    opt, step, batches, _ = setup()
+    m = opt._kungfu.monitors
+    ref = GradientNoiseScale(alpha=0.1)
+    n, b = kungfu.size(), float(BATCH)
+    nonzero = 0
+    for t, (x, y) in enumerate(batches):
+        local_sq, global_sq = step(x, y)
+        mean_local = float(np.mean(kungfu.all_gather(tf.reshape(local_sq, [1])).numpy().astype(np.float64)))
+        gns, g_sq, trace = ref.update(mean_local, float(global_sq), b, n * b)
+        got = kungfu.monitor.latest(opt)
+        close(float(m.g_sq.numpy()), g_sq, f"step {t} EMA |G|^2")
+        close(float(m.trace.numpy()), trace, f"step {t} EMA tr Sigma")
+        close(got["gns"], gns, f"step {t} gns")
+        close(got["grad_variance"], max(mean_local - float(global_sq), 0.0), f"step {t} grad_variance")
+        want_snr = g_sq * n * b / trace if g_sq > 0 and trace > 0 else 0.0
+        close(got["snr"], want_snr, f"step {t} snr")
+        nonzero += got["gns"] > 0
+        if not (got["step_time"] >= 0 and got["samples_per_sec"] >= 0):
+            raise AssertionError(f"step {t}: throughput {got}")
+    if nonzero == 0 or not kungfu.monitor.latest(opt)["samples_per_sec"] > 0:
+        raise AssertionError(f"no gns estimate or throughput after {STEPS} steps: {kungfu.monitor.latest(opt)}")
+
+
+@CHECKS.append
+def workers_agree():
+    opt, step, batches, _ = setup()
+    for x, y in batches:
+        step(x, y)
+        got = kungfu.monitor.latest(opt)
+        values = np.array([got["gns"], got["grad_variance"], got["snr"]], np.float32)
+        if not bool(kungfu.consensus(values)):
+            spread = kungfu.all_gather(values.reshape(1, 3)).numpy()
+            raise AssertionError(f"workers differ on (gns, grad_variance, snr): {spread.tolist()}")
+
+
+@CHECKS.append
+def interval_runs_every_k_steps_without_retrace():
+    k = 3
+    opt, step, batches, traces = setup(monitor_interval=k)
+    m = opt._kungfu.monitors
+    before = None
+    for t, (x, y) in enumerate(batches):
+        if t == 5:
+            opt.set_local_batch_size(2 * BATCH)  # follows a batch size change, without retracing
+        step(x, y)
+        if t == 0:
+            first = len(traces)
+        now = float(m.grad_variance.numpy())
+        changed = before is None or now != before
+        if changed != (t % k == 0):
+            raise AssertionError(f"step {t}: grad_variance {'changed' if changed else 'stayed'} "
+                                 f"({before} -> {now}) with monitor_interval={k}")
+        before = now
+    updates = int(m.updates.numpy())
+    if updates != (STEPS + k - 1) // k:
+        raise AssertionError(f"the monitors ran {updates} times in {STEPS} steps with interval {k}")
+    if len(traces) != first:
+        raise AssertionError(f"the step was traced {len(traces) - first} more times after its first call")
+
+
+def main():
+    kungfu.init()
+    sys.exit(1 if mp.run_checks(CHECKS, kungfu.rank()) else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The optimizer wrapper's monitors on one process (a cluster of size 1): argument errors, the
+values latest() reports, the interval (no retrace), and MonitorCallback. The gradient monitors need
+2 or more workers; their values across real workers are checked in tests/monitor_worker.py.
+"""
+
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kungfu
+from conftest import REPO
+from kungfu import optimizers
+from kungfu.keras import callbacks
+from mp import assert_checks_passed, launch
+
+pytestmark = pytest.mark.usefixtures("kungfu_library")
+
+WORKER = os.path.join(REPO, "tests", "monitor_worker.py")
+MP_CHECKS = ["gns_matches_reference", "workers_agree", "interval_runs_every_k_steps_without_retrace"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cluster_of_one():
+    kungfu.init()
+
+
+def model_and_data(seed=3):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+    rng = np.random.RandomState(seed)
+    return model, rng.normal(size=(64, 5)).astype(np.float32), rng.normal(size=(64, 2)).astype(np.float32)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(monitor=["gns", "loss"]), "'loss'.*gns, variance, snr"),
+    (dict(monitor=["gns"]), "local_batch_size"),
+    (dict(monitor=["snr"]), "local_batch_size"),
+    (dict(monitor=["variance"], monitor_interval=0), "monitor_interval"),
+    (dict(monitor=["variance"], monitor_interval=2.0), "monitor_interval"),
+    (dict(monitor=["gns"], local_batch_size=0), "local_batch_size"),
+    (dict(monitor=["gns"], local_batch_size="32"), "local_batch_size"),
+])
+def test_bad_monitor_arguments_say_what_is_wrong(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(), **kwargs)
+
+
+def test_latest_needs_an_optimizer_with_monitors():
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD())
+    with pytest.raises(ValueError, match="no monitors"):
+        kungfu.monitor.latest(opt)
+    with pytest.raises(ValueError, match="named 'nobody'"):
+        kungfu.monitor.latest("nobody")
+    with pytest.raises(ValueError, match="no monitors with a batch size"):
+        opt.set_local_batch_size(8)
+    for wrap in (optimizers.SynchronousAveragingOptimizer, optimizers.PairAveragingOptimizer):
+        other = wrap(keras.optimizers.SGD(), monitor=["variance"], monitor_interval=2)
+        assert kungfu.monitor.latest(other)["grad_variance"] == 0.0
+
+
+def test_size_one_reports_finite_values_and_throughput():
+    model, x, y = model_and_data()
+    batch = tf.Variable(16.0)
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.05), monitor=["gns", "variance", "snr"],
+                                             local_batch_size=batch)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    values = kungfu.monitor.latest()
+    assert set(values) == {"gns", "grad_variance", "snr", "samples_per_sec", "step_time"}
+    assert values == kungfu.monitor.latest(opt) == kungfu.monitor.latest(opt.name)
+    assert all(np.isfinite(v) for v in values.values()), values
+    # One worker: no second batch size, so the gradient monitors stay 0 ("no estimate").
+    assert values["gns"] == values["grad_variance"] == values["snr"] == 0.0
+    assert values["step_time"] > 0
+    assert values["samples_per_sec"] == pytest.approx(16 / values["step_time"], rel=1e-5)
+    opt.local_batch_size = 32  # assigns the user's variable
+    assert float(batch.numpy()) == 32.0 and opt.local_batch_size == 32.0
+
+
+def test_unmonitored_keys_are_none():
+    model, x, y = model_and_data()
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.05), monitor=["variance"], monitor_interval=4)
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    values = kungfu.monitor.latest()
+    assert values["gns"] is None and values["snr"] is None and values["samples_per_sec"] is None
+    assert values["grad_variance"] == 0.0 and values["step_time"] > 0
+
+
+def test_interval_does_not_retrace():
+    model, x, y = model_and_data()
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.05), monitor="gns", monitor_interval=3,
+                                             local_batch_size=8)
+    traces = []
+
+    @tf.function
+    def step(x, y):
+        traces.append(1)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    step(x[:8], y[:8])
+    first = len(traces)
+    for t in range(1, 7):
+        opt.set_local_batch_size(8 + t)  # a changing batch size is a variable assignment
+        step(x[:8], y[:8])
+    assert len(traces) == first, f"retraced {len(traces) - first} times"
+    assert int(opt.iterations.numpy()) == 7
+    assert kungfu.monitor.latest(opt)["step_time"] > 0
+
+
+def test_monitor_callback_puts_values_into_history(tmp_path):
+    model, x, y = model_and_data()
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.05), monitor=["gns", "variance"],
+                                             local_batch_size=16)
+    model.compile(optimizer=opt, loss="mse")
+    optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(), monitor=["variance"])  # a later one: not used
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0,
+                        callbacks=[callbacks.MonitorCallback(tensorboard_dir=str(tmp_path))])
+    for key in ("gns", "grad_variance", "samples_per_sec", "step_time"):
+        assert len(history.history[key]) == 2, history.history
+    assert "snr" not in history.history
+    events = [os.path.join(tmp_path, n) for n in os.listdir(tmp_path) if n.startswith("events.out.tfevents")]
+    tags = [(v.tag, e.step) for path in events
+            for e in tf.compat.v1.train.summary_iterator(path) for v in e.summary.value]
+    assert ("kungfu/gns", 0) in tags and ("kungfu/step_time", 1) in tags, tags
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_monitors_across_workers(np_, tmp_path):
+    code, out = launch(np_, [WORKER], tmp_path, timeout=60, budget=300)
+    assert_checks_passed(code, out, MP_CHECKS, np_)
