@@ -9,6 +9,8 @@ model on its own random data with SynchronousSGDOptimizer(monitor=[...]):
   with the same squared norms: the workers' mean local |g|^2 (gathered with kungfu.all_gather) and
   the squared norm of the all-reduced gradient;
 - workers_agree: latest()'s gns, grad_variance and snr are bit-identical on every worker;
+- fit_with_monitor_callback: model.fit with MonitorCallback logs gns and grad_variance per epoch, the
+  same on every worker;
 - interval_runs_every_k_steps_without_retrace: with monitor_interval=3 the monitors change only at
   steps 0, 3, 6, ..., a batch size change included, and the step is traced once.
 """
@@ -24,6 +26,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import kungfu  # noqa: E402
+from kungfu.keras import callbacks as kf_callbacks  # noqa: E402
 from kungfu.ops import monitor as monitor_ops  # noqa: E402
 from monitor_reference import GradientNoiseScale  # noqa: E402
 
@@ -101,6 +104,22 @@ def workers_agree():
         if not bool(kungfu.consensus(values)):
             spread = kungfu.all_gather(values.reshape(1, 3)).numpy()
             raise AssertionError(f"workers differ on (gns, grad_variance, snr): {spread.tolist()}")
+
+
+@CHECKS.append
+def fit_with_monitor_callback():
+    opt, _, batches, _ = setup(monitor_interval=2)
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = np.concatenate([b[0] for b in batches]), np.concatenate([b[1] for b in batches])
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                        callbacks=[kf_callbacks.MonitorCallback()]).history
+    values = np.array(history["gns"] + history["grad_variance"] + history["snr"], np.float32)
+    if len(values) != 6 or not np.all(np.isfinite(values)) or not history["grad_variance"][-1] > 0:
+        raise AssertionError(f"History: {history}")
+    if not bool(kungfu.consensus(values)):
+        raise AssertionError(f"workers logged different monitor values: {values.tolist()}")
 
 
 @CHECKS.append
