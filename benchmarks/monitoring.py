@@ -1,0 +1,168 @@
+"""Monitoring overhead side by side: the step time of the same model trained with model.fit by KungFu
+S-SGD on 2 workers under kfrun, with the monitors off, with monitor=["gns", "variance", "snr"] at
+monitor_interval=1, and at monitor_interval=8.
+
+    python3 benchmarks/monitoring.py              # 3 rounds, about 4 minutes on 2 cores
+    python3 benchmarks/monitoring.py --quick      # a smoke run of about 1 minute
+    python3 benchmarks/monitoring.py --rounds=8 --steps=200
+
+Every round is one kfrun launch that trains the three configurations, a fresh model and optimizer each,
+one epoch of each in turn (the order rotated from round to round), so bursts of load from other programs
+fall on all of them alike; the launch has a deadline, after which every process it started is killed.
+Model, data and timing are those of benchmarks/training.py (benchmarks/_training/common.py).
+The table is printed and written to --out. The 3% target is shown, never asserted.
+"""
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import app
+from absl import flags
+
+from _allreduce import launch
+from _monitoring import report
+from _training import common
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONFIGS = [dict(key='off', interval=0), dict(key='k1', interval=1), dict(key='k8', interval=8)]
+SECONDS_PER_STEP_BOUND = 0.5  # a generous bound on one 2-worker step on 2 loaded cores, for the deadline
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer('batch', 32, 'rows per worker per step')
+flags.DEFINE_integer('steps', 100, 'steps per epoch; epochs are the unit of timing')
+flags.DEFINE_integer('epochs', 6, 'timed epochs per configuration and round')
+flags.DEFINE_integer('warmup', 1, 'untimed epochs per configuration and round before the timed ones')
+flags.DEFINE_integer('rounds', 3, 'kfrun launches, each training every configuration')
+flags.DEFINE_bool('quick', False, 'smoke run: defaults --steps=20 --epochs=2 --rounds=1')
+flags.DEFINE_float('kungfu_timeout', 120, 'kfrun --timeout: seconds any KungFu wait may take')
+flags.DEFINE_string('launcher', sys.executable + ' -m kungfu.launcher', 'how to start kungfu workers')
+flags.DEFINE_string('out', os.path.join(HERE, 'results', 'monitoring.md'), 'markdown report path; empty to skip')
+
+QUICK = dict(steps=20, epochs=2, rounds=1)
+
+
+def _flag(name):
+    return QUICK[name] if FLAGS.quick and name in QUICK and not FLAGS[name].present else FLAGS[name].value
+
+
+def launch_timeout(plan):
+    steps = plan['steps'] * (plan['epochs'] + plan['warmup'])
+    return 120 + len(plan['configs']) * (30 + steps * SECONDS_PER_STEP_BOUND)
+
+
+def read_ranks(out_dir, ranks=2):
+    paths = [os.path.join(out_dir, 'rank%d.json' % r) for r in range(ranks)]
+    if not all(os.path.exists(p) for p in paths):
+        return None
+    out = []
+    for p in paths:
+        with open(p) as f:
+            out.append(json.load(f))
+    return out
+
+
+def run_round(r, work_dir):
+    """One launch training every configuration; returns (per-rank results or None, why, output tail)."""
+    out_dir = tempfile.mkdtemp(prefix='round%d-' % r, dir=work_dir)
+    configs = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+    plan = dict(batch=FLAGS.batch, steps=_flag('steps'), epochs=_flag('epochs'), warmup=FLAGS.warmup,
+                configs=configs, out_dir=out_dir)
+    first = 20000 + ((os.getpid() + r) % 500) * 20  # away from kfrun's default range and the tests' ports
+    argv = FLAGS.launcher.split() + ['-np', '2', '--port-range', '%d-%d' % (first, first + 19), '--timeout',
+                                     str(FLAGS.kungfu_timeout), '--grace', '5', '--', sys.executable,
+                                     os.path.join(HERE, '_monitoring', 'worker.py')]
+    env = dict(os.environ, PYTHONUNBUFFERED='1', **{common.PLAN_ENV: json.dumps(plan)})
+    env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+    timeout = launch_timeout(plan)
+    print('[%s] round %d: %s (deadline %.0f s)' % (time.strftime('%H:%M:%S'), r + 1,
+                                                   ', '.join(c['key'] for c in configs), timeout), flush=True)
+    t0 = time.monotonic()
+    _, why, tail = launch.run_group([argv], [env], out_dir, timeout, done=lambda: read_ranks(out_dir) is not None)
+    per_rank = read_ranks(out_dir)
+    if per_rank is None:
+        why = why or 'no results written'
+        print('    failed: %s\n%s' % (why, tail), flush=True)
+        return None, why, tail
+    print('    done in %.0f s%s' % (time.monotonic() - t0, ' (%s)' % why if why else ''), flush=True)
+    return per_rank, '', ''
+
+
+def measure(work_dir, rounds, steps):
+    results, failures = {}, []
+    for r in range(rounds):
+        per_rank, why, tail = run_round(r, work_dir)
+        if per_rank is None:
+            failures.append(('round %d' % (r + 1), why, tail))
+            continue
+        for key in per_rank[0]:
+            n = min(len(p[key]['epochs']) for p in per_rank)
+            epochs = [max(p[key]['epochs'][i] for p in per_rank) for i in range(n)]
+            cell = results.setdefault(key, dict(epochs=[], rounds=[]))
+            cell['epochs'] += epochs
+            cell['rounds'].append(statistics.median(epochs) / steps if epochs else None)
+            cell.update({k: v for k, v in per_rank[0][key].items() if k in ('monitors', 'updates')})
+    return results, failures
+
+
+def _run(cmd):
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip() or '?'
+    except (OSError, subprocess.TimeoutExpired):
+        return '?'
+
+
+def _version(dist):
+    from importlib import metadata
+    for d in (dist + '-cpu', dist):
+        try:
+            return metadata.version(d)
+        except metadata.PackageNotFoundError:
+            pass
+    return 'not installed'
+
+
+def run_meta(rounds):
+    with open('/proc/cpuinfo') as f:
+        cpu = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), '?')
+    with open('/proc/meminfo') as f:
+        mem_gib = int(f.readline().split()[1]) / (1 << 20)
+    return [
+        ('date', datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')),
+        ('machine', '%d cores (%s), %.0f GiB, Linux %s' % (os.cpu_count(), cpu, mem_gib, platform.release())),
+        ('load average at start', '%.2f %.2f %.2f' % os.getloadavg()),
+        ('software', 'Python %s, TensorFlow %s, Keras %s, kungfu library %s (tree %s)' % (
+            platform.python_version(), _version('tensorflow'), _version('keras'),
+            os.environ.get('KUNGFU_LIBRARY', 'the installed package\'s'),
+            _run(['git', '-C', HERE, 'rev-parse', '--short', 'HEAD']))),
+        ('plan', 'mlp, batch %d per worker, 2 workers; per configuration and round %d warm-up + %d timed epochs '
+                 'of %d steps; %d round(s)%s' % (FLAGS.batch, FLAGS.warmup, _flag('epochs'), _flag('steps'),
+                                                 rounds, ' (--quick)' if FLAGS.quick else '')),
+    ]
+
+
+def main(argv):
+    del argv
+    if min(FLAGS.batch, _flag('steps'), _flag('epochs'), FLAGS.warmup, _flag('rounds')) < 1:
+        raise app.UsageError('--batch, --steps, --epochs, --warmup and --rounds must be >= 1')
+    rounds = _flag('rounds')
+    meta = run_meta(rounds)
+    with tempfile.TemporaryDirectory(prefix='kf-monitoring-') as work_dir:
+        results, failures = measure(work_dir, rounds, _flag('steps'))
+    meta.append(('load average at end', '%.2f %.2f %.2f' % os.getloadavg()))
+    text = report.render(results, [c['key'] for c in CONFIGS], _flag('steps'), FLAGS.batch, meta, failures)
+    print('\n' + text)
+    if FLAGS.out:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+        with open(FLAGS.out, 'w') as f:
+            f.write(text)
+        print('written to ' + FLAGS.out)
+
+
+if __name__ == '__main__':
+    app.run(main)
