@@ -1,6 +1,6 @@
 """The worker of test_gns_accuracy.py, started N times by kfrun. Not a test module itself.
 
-    python -m kungfu.launcher -np N -- python tests/gns_accuracy_worker.py B_SMALL [B_SMALL ...]
+    python -m kungfu.launcher -np N -- python tests/gns_accuracy_worker.py [--rewrite] B_SMALL [B_SMALL ...]
 
 Prints one "KFCHECK <name> OK|FAIL ..." line per check (tests/mp.py), one check per B_SMALL. Synthetic
 gradients with a known truth (as tests/monitor_reference.py's SyntheticGradients): a true gradient G
@@ -13,6 +13,10 @@ graph. After STEPS steps (the EMA, alpha 0.1, has long settled) the estimates mu
 of the truth: EMA |G|^2, EMA tr Sigma, gns = tr Sigma / |G|^2, snr = |G|^2 B_big / tr Sigma, and the
 mean over the last steps of grad_variance (a per-step value, not an EMA) against its expectation
 tr Sigma (1/B_small - 1/B_big).
+
+With --rewrite (test_rewrite_monitors.py) the gradients go through kungfu.rewrite(..., monitors=[...])
+of a step whose loss has the synthetic gradient, one call per step, and the check also compares its
+values with the wrapper's on the same gradients.
 
 Margin: numpy runs of the same estimator (tests/monitor_reference.py, 30 seeds, DIM=1024, N=2 and
 4, B_small 4 to 32) stay within 5% of the truth, the worst case being gns at N=2, B_small=4.
@@ -70,6 +74,40 @@ def run(b_small):
     return m, kungfu.monitor.latest(opt), tail
 
 
+def run_rewrite(b_small):
+    """As run(), through kungfu.rewrite(monitors=...) of a step whose loss sum(var * g) has gradient g,
+    one call per step; returns (monitors, latest(), tail mean of grad_variance)."""
+    g_true, variances = truth()
+    g_true, std = tf.constant(g_true), tf.constant(np.sqrt(variances / b_small))
+    var = tf.Variable(tf.zeros([DIM]), name=f"rewrite_dummy_b{b_small}")
+    opt = keras.optimizers.SGD(0.0)
+
+    def synthetic_step(seed):
+        grad = tf.stop_gradient(g_true + std * tf.random.stateless_normal([DIM], seed=seed))
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(var * grad)
+        opt.apply_gradients(zip(tape.gradient(loss, [var]), [var]))
+
+    step = kungfu.rewrite(tf.function(synthetic_step), monitors=["gns", "snr", "variance"], local_batch_size=b_small)
+    rank, tail = kungfu.rank(), 0.0
+    for t in range(STEPS):
+        step(tf.constant([1000 * b_small + rank, t], tf.int32))  # the same noise as run()'s
+        if t >= STEPS - TAIL:
+            tail += float(step.monitors.grad_variance.numpy())
+    if step.rewrite_count != 1:
+        raise AssertionError(f"the step was rewritten {step.rewrite_count} times")
+    inserted = step.report(tf.constant([0, 0], tf.int32)).inserted
+    if len(inserted) != 1:  # the squared norm rides in the gradient's all-reduce
+        raise AssertionError(f"expected one collective, got {[c.key for c in inserted]}")
+    every3 = kungfu.rewrite(tf.function(synthetic_step), monitors=["variance"], monitor_interval=3)
+    for t in range(7):
+        every3(tf.constant([1000 * b_small + rank, t], tf.int32))
+    if int(every3.monitors.updates.numpy()) != 3:
+        raise AssertionError(f"monitor_interval=3: the monitors ran {int(every3.monitors.updates.numpy())} "
+                             "times in 7 steps, not 3")
+    return step.monitors, kungfu.monitor.latest(step), tail / TAIL
+
+
 def within(what, got, want):
     err = abs(got - want) / abs(want)
     if not err <= TOLERANCE:
@@ -78,9 +116,9 @@ def within(what, got, want):
     return f"{what} {100 * err:.1f}%"
 
 
-def check(b_small):
+def check(b_small, rewrite=False):
     def fn():
-        m, got, tail = run(b_small)
+        m, got, tail = (run_rewrite if rewrite else run)(b_small)
         b_big = kungfu.size() * b_small
         if int(m.updates.numpy()) != STEPS:
             raise AssertionError(f"the monitors ran {int(m.updates.numpy())} times in {STEPS} steps")
@@ -95,14 +133,21 @@ def check(b_small):
         values = np.array([got["gns"], got["snr"], float(m.g_sq.numpy()), float(m.trace.numpy())], np.float32)
         if not bool(kungfu.consensus(values)):
             raise AssertionError(f"workers differ on (gns, snr, |G|^2, tr Sigma): {values.tolist()}")
+        if rewrite:  # the same gradients through the optimizer wrapper give the same numbers
+            _, want, want_tail = run(b_small)
+            for key in ("gns", "snr", "grad_variance"):
+                g, w = (tail, want_tail) if key == "grad_variance" else (got[key], want[key])
+                if not abs(g - w) <= 1e-4 * abs(w):
+                    raise AssertionError(f"{key}: kungfu.rewrite {g!r}, optimizer wrapper {w!r}")
 
-    fn.__name__ = f"accurate_b{b_small}"
+    fn.__name__ = f"{'rewrite_' if rewrite else ''}accurate_b{b_small}"
     return fn
 
 
 def main():
     kungfu.init()
-    checks = [check(int(b)) for b in sys.argv[1:]]
+    rewrite = "--rewrite" in sys.argv[1:]
+    checks = [check(int(b), rewrite) for b in sys.argv[1:] if b != "--rewrite"]
     sys.exit(1 if mp.run_checks(checks, kungfu.rank()) else 0)
 
 

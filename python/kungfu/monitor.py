@@ -13,7 +13,8 @@ gradient norm rides along in the gradients' own all-reduce (no extra collective)
 workers' squared norms stands for |G_small|^2 in the gradient noise scale: every input is then
 all-reduced, so every worker computes the same numbers. Throughput (step_time, samples_per_sec) is
 measured in the graph at every step, with tf.timestamp(), and is this worker's own. See
-docs/monitoring.md ("Using monitors").
+docs/monitoring.md ("Using monitors"). kungfu.rewrite(fn, monitors=[...]) uses the same Monitors from
+its monitor pass (kungfu/_rewrite/monitors.py), counting the step's calls instead of iterations.
 
 Threading: the registry of monitors is guarded by a lock; a Monitors object is written by the
 training step's ops and read by latest(), which reads whole variables (each value is consistent, the
@@ -159,14 +160,17 @@ def _live():
 
 
 def monitors_of(optimizer=None):
-    """The Monitors of optimizer (a wrapped optimizer or its name), or of the most recently created
-    optimizer with monitors when None. Raises ValueError when there is none."""
+    """The Monitors of optimizer (a wrapped optimizer, a kungfu.rewrite step with monitors, or the name
+    of either: the step's is its function's name), or of the most recently created one with monitors
+    when None. Raises ValueError when there is none."""
     if optimizer is not None and not isinstance(optimizer, str):
-        settings = getattr(optimizer, "_kungfu", None)
-        m = getattr(settings, "monitors", None)
+        m = getattr(optimizer, "monitors", None)  # a kungfu.rewrite step
+        if not isinstance(m, Monitors):
+            m = getattr(getattr(optimizer, "_kungfu", None), "monitors", None)
         if m is None:
             raise ValueError(f"optimizer {getattr(optimizer, 'name', optimizer)!r} has no monitors; wrap it with "
-                             "kungfu.optimizers.DistributedOptimizer(..., monitor=[...])")
+                             "kungfu.optimizers.DistributedOptimizer(..., monitor=[...]) (or pass monitors=[...] "
+                             "to kungfu.rewrite)")
         return m
     live = _live()
     if optimizer is not None:
@@ -183,8 +187,9 @@ def latest(optimizer=None):
     "samples_per_sec" and "step_time". Every key is there; a monitor not requested is None, and
     samples_per_sec is None without local_batch_size. 0 means "no estimate yet".
 
-    optimizer: a wrapped optimizer, or an optimizer's name; by default the most recently created
-    optimizer with monitors. gns, grad_variance and snr are the same on every worker (computed from
-    all-reduced inputs); step_time and samples_per_sec are this worker's measurement.
+    optimizer: a wrapped optimizer, or an optimizer's name; or a kungfu.rewrite(..., monitors=[...])
+    step, or its function's name; by default the most recently created one with monitors. gns,
+    grad_variance and snr are the same on every worker (computed from all-reduced inputs); step_time
+    and samples_per_sec are this worker's measurement.
     """
     return monitors_of(optimizer).values()

@@ -10,6 +10,7 @@ Layout, by responsibility:
   rebind.py        re-importing it into a new tf.function, captures re-bound, passes in between
   passes.py        the extension point: Gradient, PassContext, how passes run
   ssgd.py          the S-SGD pass: all-reduce (dense) and all-gather (IndexedSlices) means
+  monitors.py      the S-SGD pass with kungfu.monitor's monitors (rewrite(..., monitors=[...]))
   _conventions.py  every assumption about TF/Keras graphs and TF internals, in one place
 See docs/rewrite.md.
 """

@@ -15,16 +15,18 @@ import threading
 import tensorflow as tf
 
 from .. import _lib
+from .. import monitor as _monitor
 from . import _conventions
 from . import find
 from . import passes as passes_lib
 from . import rebind
+from .monitors import MonitoredSSGD
 from .ssgd import ssgd
 
 STRATEGIES = {"ssgd": (ssgd,)}  # strategy -> its passes, applied in order
 
 
-def rewrite(fn, strategy="ssgd", *, fusion_bytes=None):
+def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, monitors=None, monitor_interval=1, local_batch_size=None):
     """Returns fn with KungFu collectives inserted on its gradients; fn's code does not change.
 
     fn: a training step (a tf.function, or a Python function, which is wrapped in one) that computes
@@ -33,6 +35,10 @@ def rewrite(fn, strategy="ssgd", *, fusion_bytes=None):
     strategy: "ssgd" (synchronous SGD): every gradient becomes its mean over the workers.
     fusion_bytes: dense gradients are all-reduced in buckets of about this many bytes, in backward-pass
     order, so that collectives overlap with the backward pass (default 4 MiB; 0: one per gradient).
+    monitors: None or a list from "gns", "variance", "snr", computed every monitor_interval calls as
+    the optimizer wrappers compute them; read them with kungfu.monitor.latest(step) (or the step's
+    name). local_batch_size: this worker's batch size (a number or a tf.Variable), needed for "gns"
+    and "snr", and for samples_per_sec. See docs/monitoring.md.
 
     The returned callable takes fn's arguments. Each new input signature is rewritten once, at its first
     call (which needs kungfu.init()); a step whose gradients cannot be matched one to one with the
@@ -45,7 +51,18 @@ def rewrite(fn, strategy="ssgd", *, fusion_bytes=None):
         raise ValueError(f"kungfu.rewrite: fusion_bytes must be an int >= 0, got {fusion_bytes!r}")
     if not callable(fn):
         raise TypeError(f"kungfu.rewrite: fn must be a tf.function or a Python function, got {type(fn).__name__}")
-    return Rewritten(fn, STRATEGIES[strategy], {"fusion_bytes": fusion_bytes})
+    try:
+        names, monitor_interval = _monitor.check_arguments(monitors, monitor_interval, local_batch_size)
+    except ValueError as e:
+        raise ValueError(f"kungfu.rewrite: {e}") from None
+    options = {"fusion_bytes": fusion_bytes}
+    passes = STRATEGIES[strategy]
+    if monitors is not None:
+        options.update(monitors=names, monitor_interval=monitor_interval, local_batch_size=local_batch_size)
+        name = getattr(fn, "__name__", None) or "step"
+        passes = tuple(MonitoredSSGD(names, monitor_interval, local_batch_size, name) if p is ssgd else p
+                       for p in passes)
+    return Rewritten(fn, passes, options)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +115,11 @@ class Rewritten:
         """The Report of the rewrite for these arguments (rewriting it if new)."""
         self.get_concrete_function(*args, **kwargs)
         return self._reports[(self._fn.get_concrete_function(*args, **kwargs), _lib.size())]
+
+    @property
+    def monitors(self):
+        """The kungfu.monitor.Monitors of this step (rewrite(..., monitors=[...])), or None."""
+        return next((p.monitors for p in self._passes if isinstance(p, MonitoredSSGD)), None)
 
     @property
     def rewrite_count(self):

@@ -5,6 +5,9 @@ order: a bucket closes once it holds fusion_bytes, so the last layers' bucket is
 backward pass still computes the first layers' gradients. Each bucket is one op, fused inside into
 buffers of at most fusion_bytes; fusion_bytes=0 gives one collective per gradient.
 
+mean_gradients(grads, ctx, extra=[...]) also averages a few more dense tensors in the last bucket (the
+monitor pass's squared norm, monitors.py), so they cost no collective.
+
 An IndexedSlices gradient travels as an all-gather of its indices and of its values divided by size():
 scattering every worker's rows, each scaled by 1/size, adds up to the mean of the dense gradients, and
 each worker may contribute a different number of rows.
@@ -24,22 +27,42 @@ DEFAULT_FUSION_BYTES = 4 << 20  # as kungfu.group_all_reduce's own default
 
 def ssgd(grads, ctx):
     """Replaces each gradient with its mean over the workers (see the module doc)."""
+    return mean_gradients(grads, ctx)[0]
+
+
+def mean_gradients(grads, ctx, extra=()):
+    """(the gradients' means over the workers, the means of the dense tensors extra).
+
+    extra (e.g. a monitor's scalar) rides in the last bucket, the first layers' gradients, which waits
+    for all of the backward pass anyway, so a value computed from every gradient costs no collective
+    and delays no bucket; with no dense gradient it gets a collective of its own ('.../ssgd/extra').
+    """
     fusion_bytes = ctx.options.get("fusion_bytes")
     if fusion_bytes is None:
         fusion_bytes = DEFAULT_FUSION_BYTES
-    out = list(grads)
+    out, extra = list(grads), list(extra)
     dense = [i for i, g in enumerate(grads) if not g.sparse]
-    for b, bucket in enumerate(_buckets(dense, grads, fusion_bytes)):
+    buckets = _buckets(dense, grads, fusion_bytes)
+    extra_means = []
+    if extra and not buckets:
+        key = ctx.key("ssgd", "extra")
+        extra_means = kf.group_all_reduce(extra, op="mean", name=key, fusion_bytes=fusion_bytes)
+        ctx.note("group_all_reduce", key, [])
+    for b, bucket in enumerate(buckets):
         members = [grads[i] for i in bucket]
+        rides = extra if b == len(buckets) - 1 else []
         key = ctx.key("ssgd", str(b))
-        reduced = kf.group_all_reduce([g.values for g in members], op="mean", name=key, fusion_bytes=fusion_bytes)
+        reduced = kf.group_all_reduce([g.values for g in members] + rides, op="mean", name=key,
+                                      fusion_bytes=fusion_bytes)
         ctx.note("group_all_reduce", key, members)
         for i, r in zip(bucket, reduced):
             out[i] = grads[i].replace(values=r)
+        if rides:
+            extra_means = reduced[len(members):]
     for i, g in enumerate(grads):
         if g.sparse:
             out[i] = _gather_mean(g, ctx, ctx.key("ssgd", f"sparse{i}"))
-    return out
+    return out, list(extra_means)
 
 
 def _buckets(positions, grads, fusion_bytes):

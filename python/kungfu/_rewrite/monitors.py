@@ -1,0 +1,54 @@
+"""The monitor pass: S-SGD with the training monitors of kungfu.monitor (gns, variance, snr).
+
+    step = kungfu.rewrite(train_step, monitors=["gns", "variance"], local_batch_size=32)
+    step(x, y); kungfu.monitor.latest("train_step")
+
+It computes what the optimizer wrappers compute, with the same graph code (kungfu.monitor.Monitors):
+on due steps (every monitor_interval-th call of the step, a tf.cond on a step counter, so the interval
+costs no retrace) this worker's squared gradient norm rides in the S-SGD pass's last all-reduce bucket
+(no extra collective), and the workers' mean squared norm and the squared norm of the reduced gradients
+give the estimates. Throughput (step_time, samples_per_sec) is measured every step.
+
+State: one Monitors object per kungfu.rewrite call, created and registered with kungfu.monitor when
+rewrite() is called (so latest() finds it before the first step) and shared by all the rewrites of that
+callable (every input signature, every cluster size): its variables and the GNS op's EMA carry on across
+retracing, as the wrapper's do. The step counter is a variable of its own, since a rewritten step has no
+optimizer iterations to go by.
+"""
+
+import tensorflow as tf
+
+from .. import monitor as _monitor
+from .ssgd import mean_gradients
+
+
+def _tensor(g):
+    """A Gradient as squared_norm takes it: a tensor, or an IndexedSlices (duplicate rows summed)."""
+    return tf.IndexedSlices(g.values, g.indices) if g.sparse else g.values
+
+
+class MonitoredSSGD:
+    """The S-SGD pass with monitors; a pass (passes.py), called as pass_(grads, ctx)."""
+
+    __name__ = "ssgd_with_monitors"
+
+    def __init__(self, names, interval, local_batch_size, name):
+        self.monitors = _monitor.Monitors(names, interval, local_batch_size, name)
+        with tf.init_scope(), tf.device("CPU:0"):
+            self.step = tf.Variable(0, trainable=False, dtype=tf.int64, name="kungfu_rewrite_step")
+
+    def __call__(self, grads, ctx):
+        m = self.monitors
+        local = [_tensor(g) for g in grads]
+        m.tick(local)
+        if ctx.size == 1 or not m.reduces:  # one worker: no second batch size, the estimates stay 0
+            out = mean_gradients(grads, ctx)[0]
+        else:
+            due = m.due(self.step.read_value())
+            out, (mean_local_sq,) = mean_gradients(grads, ctx, extra=[m.local_sq_norm(local, due)])
+            updated = m.update(due, mean_local_sq, [_tensor(g) for g in out])
+            with tf.control_dependencies([updated]):  # the update reads the reduced gradients first
+                out = [g.replace(values=tf.identity(g.values)) for g in out]
+        with tf.control_dependencies([g.values for g in out]):
+            self.step.assign_add(1)
+        return out
