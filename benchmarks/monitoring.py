@@ -103,8 +103,9 @@ def measure(work_dir, rounds, steps):
         for key in per_rank[0]:
             n = min(len(p[key]['epochs']) for p in per_rank)
             epochs = [max(p[key]['epochs'][i] for p in per_rank) for i in range(n)]
-            cell = results.setdefault(key, dict(epochs=[], rounds=[]))
+            cell = results.setdefault(key, dict(epochs=[], rounds=[], by_round=[]))
             cell['epochs'] += epochs
+            cell['by_round'].append(epochs)  # in time order: epoch i of each configuration ran side by side
             cell['rounds'].append(statistics.median(epochs) / steps if epochs else None)
             cell.update({k: v for k, v in per_rank[0][key].items() if k in ('monitors', 'updates')})
     return results, failures
@@ -155,6 +156,10 @@ def main(argv):
     with tempfile.TemporaryDirectory(prefix='kf-monitoring-') as work_dir:
         results, failures = measure(work_dir, rounds, _flag('steps'))
     meta.append(('load average at end', '%.2f %.2f %.2f' % os.getloadavg()))
+    if max(float(meta[2][1].split()[0]), os.getloadavg()[0]) > os.cpu_count():
+        meta.append(('caution', 'the 1-minute load exceeded the %d cores: other programs competed for them, so the '
+                                'step times are noisy; compare the paired overheads and rerun when idle'
+                     % os.cpu_count()))
     text = report.render(results, [c['key'] for c in CONFIGS], _flag('steps'), FLAGS.batch, meta, failures)
     print('\n' + text)
     if FLAGS.out:

@@ -1,7 +1,9 @@
 """The monitoring benchmark's table: median step time per configuration and its overhead over no monitors.
 
 results: {config key: {"epochs": [slowest rank's seconds per timed epoch, pooled over rounds],
-                       "rounds": [median seconds per step of each round], "monitors": rank 0's latest(),
+                       "rounds": [median seconds per step of each round],
+                       "by_round": [[slowest rank's seconds per timed epoch, in time order] per round],
+                       "monitors": rank 0's latest(),
                        "updates": rank 0's count of monitored steps}}
 """
 import statistics
@@ -32,33 +34,45 @@ def round_overheads(results, key):
     return [y / x - 1 for x, y in zip(a, b) if x and y]
 
 
+def paired(results, key):
+    """The median over all timed epochs of t(key) / t(off) - 1, each epoch of key against the epoch of 'off'
+    that ran next to it (same launch, same position): a burst of load hits both sides of most pairs, so
+    this is steadier than comparing pooled medians. None if either is missing."""
+    ratios = [y / x - 1 for a, b in zip(results.get('off', {}).get('by_round', []),
+                                        results.get(key, {}).get('by_round', []))
+              for x, y in zip(a, b)]
+    return statistics.median(ratios) if ratios else None
+
+
 def main_table(results, keys, steps, batch):
     header = ['configuration', 'ms/step, median (min-max)', 'samples/s (2 workers)', 'overhead vs off',
-              'overhead per round', 'monitored steps', 'last gns / grad_variance / snr']
+              'paired overhead', 'overhead per round', 'monitored steps', 'last gns / grad_variance / snr']
     rows = []
     for key in keys:
         cell = results.get(key)
         if not cell or not cell.get('epochs'):
-            rows.append([LABELS[key], 'failed', '-', '-', '-', '-', '-'])
+            rows.append([LABELS[key], 'failed', '-', '-', '-', '-', '-', '-'])
             continue
         e = cell['epochs']
         ms = _ms_per_step(e, steps)
         ov = overhead(results, key, steps)
+        po = paired(results, key)
         per_round = ', '.join('%+.1f%%' % (100 * x) for x in round_overheads(results, key)) if key != 'off' else ''
         m = cell.get('monitors')
         last = '%.4g / %.4g / %.4g' % (m['gns'], m['grad_variance'], m['snr']) if m else ''
         rows.append([LABELS[key], '%.2f (%.2f-%.2f)' % (ms, 1e3 * min(e) / steps, 1e3 * max(e) / steps),
                      '%.0f' % (2 * batch * 1e3 / ms), '' if key == 'off' or ov is None else '%+.1f%%' % (100 * ov),
-                     per_round, str(cell.get('updates', '')) if m else '', last])
+                     '' if key == 'off' or po is None else '%+.1f%%' % (100 * po), per_round, str(cell.get('updates', '')) if m else '', last])
     return table(header, rows)
 
 
 def target_line(results, steps):
-    ov = overhead(results, 'k1', steps)
-    if ov is None:
+    """Judged on the paired overhead (see paired()); the pooled one is shown beside it."""
+    po, ov = paired(results, 'k1'), overhead(results, 'k1', steps)
+    if po is None:
         return '- GNS at interval 1 adds at most 3% to step time: not measured'
-    return '- GNS at interval 1 adds at most 3%% to step time: %+.1f%%, %s' % (
-        100 * ov, 'met' if ov <= TARGET else 'NOT met')
+    return '- GNS at interval 1 adds at most 3%% to step time: %+.1f%% paired (%+.1f%% from the pooled medians), %s' % (
+        100 * po, 100 * ov, 'met' if po <= TARGET else 'NOT met')
 
 
 NOTES = [
@@ -73,6 +87,9 @@ NOTES = [
     'all-reduce (no extra collective), then the squared norm of the mean gradient and the GNS, variance '
     'and SNR ops. Throughput (step_time) is measured at every step whenever monitors are on, so interval 8 '
     'still pays for the timestamps and the tf.cond.',
+    'overhead vs off: from the medians of all timed epochs pooled. paired overhead: the median over the '
+    'timed epochs of t(config) / t(off) - 1, each epoch against the epoch of monitors off that ran next to '
+    'it in the same launch; steadier under bursts of load, and the one the target is judged on.',
     'monitored steps: rank 0\'s count of steps that ran the gradient monitors in its last launch '
     '(warm-up included); last values: kungfu.monitor.latest() at the end of that launch. On random labels '
     'the true gradient is small against the noise, so the GNS is large or 0 (no estimate).',
