@@ -7,7 +7,7 @@
 #   make bazel-test   bazel test //cc:engine_test
 #   make test         all of the above, then pytest tests/
 #   make demo         kfrun -np 4 on examples/keras_digits.py (S-SGD with model.fit)
-#   make bench        benchmarks/allreduce.py and benchmarks/training.py (write benchmarks/results/)
+#   make bench        benchmarks/allreduce.py, training.py and monitoring.py (write benchmarks/results/)
 
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -112,6 +112,7 @@ bench: deps
 	@$(MAKE) --no-print-directory build
 	$(PYTHON) benchmarks/allreduce.py
 	$(PYTHON) benchmarks/training.py
+	$(PYTHON) benchmarks/monitoring.py
 
 clean:
 	rm -rf build dist *.egg-info python/*.egg-info
