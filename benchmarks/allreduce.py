@@ -9,11 +9,9 @@ Each system runs once per np and measures every size in that launch; each launch
 every process it started is killed. A system that cannot run (kungfu not installed, no mpirun, no cc) is
 listed as not measured and the rest still run. The tables are printed and written as markdown to --out.
 """
-import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -21,6 +19,7 @@ import time
 from absl import app
 from absl import flags
 
+import _meta
 from _allreduce import launch
 from _allreduce import report
 from _allreduce import systems as S
@@ -135,24 +134,6 @@ def measure_all(runs, sizes, work_dir, rounds):
     return results, [(what, why) for what, why in failed.items() if what not in succeeded]
 
 
-def _first_line(*argv):
-    try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-        return r.stdout.strip().splitlines()[0] if r.returncode == 0 else '?'
-    except (OSError, subprocess.TimeoutExpired, IndexError):
-        return '?'
-
-
-def _version(*dists):
-    from importlib import metadata
-    for d in dists:
-        try:
-            return metadata.version(d)
-        except metadata.PackageNotFoundError:
-            pass
-    return 'not installed'
-
-
 def _kungfu_build():
     """When the kungfu library that will be measured was built (its file time), without importing kungfu."""
     import importlib.util
@@ -166,20 +147,10 @@ def _kungfu_build():
 
 def run_meta(plan):
     """What a reader needs to judge the figures: when, on what, with which software and plan."""
-    cpu = '?'
-    with open('/proc/cpuinfo') as f:
-        cpu = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), '?')
-    with open('/proc/meminfo') as f:
-        mem_gib = int(f.readline().split()[1]) / (1 << 20)
-    here = os.path.dirname(os.path.abspath(__file__))
-    return [
-        ('date', datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')),
-        ('machine', 'nproc %d, %s, %.0f GiB, Linux %s' % (os.cpu_count(), cpu, mem_gib, platform.release())),
-        ('load average at start', '%.2f %.2f %.2f' % os.getloadavg()),
+    return _meta.machine_lines() + [
         ('software', 'Python %s, TensorFlow %s, mpi4py %s, %s, kungfu %s (%s; tree %s)' % (
-            platform.python_version(), _version('tensorflow-cpu', 'tensorflow'), _version('mpi4py'),
-            _first_line('mpirun', '--version'), _version('kungfu'), _kungfu_build(),
-            _first_line('git', '-C', here, 'rev-parse', '--short', 'HEAD'))),
+            platform.python_version(), _meta.version('tensorflow-cpu', 'tensorflow'), _meta.version('mpi4py'),
+            _meta.first_line('mpirun', '--version'), _meta.version('kungfu'), _kungfu_build(), _meta.git_head())),
         ('plan', 'per size and system: %d warm-up, then %d to %d timed iterations within %.2f s; best of %d '
                  'round(s)%s' % (plan['warmup'], plan['min_iters'], plan['max_iters'], plan['seconds'],
                                  _flag('rounds'), ' (--quick)' if FLAGS.quick else '')),
@@ -213,14 +184,9 @@ def main(argv):
         results, failed = measure_all(runs, sizes, work_dir, _flag('rounds'))
         failures += failed
     failures += [(s.key, 'not available on this machine') for s in chosen if not s.available]
-    meta.append(('load average at end', '%.2f %.2f %.2f' % os.getloadavg()))
+    meta.append(('load average at end', _meta.load_average()))
     text = report.render(results, nps, sizes, meta, failures)
-    print('\n' + text)
-    if FLAGS.out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, 'w') as f:
-            f.write(text)
-        print('written to ' + FLAGS.out)
+    _meta.publish(text, FLAGS.out)
 
 
 if __name__ == '__main__':

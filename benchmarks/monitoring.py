@@ -12,12 +12,10 @@ fall on all of them alike; the launch has a deadline, after which every process 
 Model, data and timing are those of benchmarks/training.py (benchmarks/_training/common.py).
 The table is printed and written to --out. The 3% target is shown, never asserted.
 """
-import datetime
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,6 +23,7 @@ import time
 from absl import app
 from absl import flags
 
+import _meta
 from _allreduce import launch
 from _monitoring import report
 from _training import common
@@ -111,36 +110,11 @@ def measure(work_dir, rounds, steps):
     return results, failures
 
 
-def _run(cmd):
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout.strip() or '?'
-    except (OSError, subprocess.TimeoutExpired):
-        return '?'
-
-
-def _version(dist):
-    from importlib import metadata
-    for d in (dist + '-cpu', dist):
-        try:
-            return metadata.version(d)
-        except metadata.PackageNotFoundError:
-            pass
-    return 'not installed'
-
-
 def run_meta(rounds):
-    with open('/proc/cpuinfo') as f:
-        cpu = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), '?')
-    with open('/proc/meminfo') as f:
-        mem_gib = int(f.readline().split()[1]) / (1 << 20)
-    return [
-        ('date', datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')),
-        ('machine', '%d cores (%s), %.0f GiB, Linux %s' % (os.cpu_count(), cpu, mem_gib, platform.release())),
-        ('load average at start', '%.2f %.2f %.2f' % os.getloadavg()),
+    return _meta.machine_lines() + [
         ('software', 'Python %s, TensorFlow %s, Keras %s, kungfu library %s (tree %s)' % (
-            platform.python_version(), _version('tensorflow'), _version('keras'),
-            os.environ.get('KUNGFU_LIBRARY', 'the installed package\'s'),
-            _run(['git', '-C', HERE, 'rev-parse', '--short', 'HEAD']))),
+            platform.python_version(), _meta.version('tensorflow-cpu', 'tensorflow'), _meta.version('keras'),
+            os.environ.get('KUNGFU_LIBRARY', 'the installed package\'s'), _meta.git_head())),
         ('plan', 'mlp, batch %d per worker, 2 workers; per configuration and round %d warm-up + %d timed epochs '
                  'of %d steps; %d round(s)%s' % (FLAGS.batch, FLAGS.warmup, _flag('epochs'), _flag('steps'),
                                                  rounds, ' (--quick)' if FLAGS.quick else '')),
@@ -155,19 +129,14 @@ def main(argv):
     meta = run_meta(rounds)
     with tempfile.TemporaryDirectory(prefix='kf-monitoring-') as work_dir:
         results, failures = measure(work_dir, rounds, _flag('steps'))
-    meta.append(('load average at end', '%.2f %.2f %.2f' % os.getloadavg()))
+    meta.append(('load average at end', _meta.load_average()))
     meta.append(('note', 'the load at end counts this benchmark\'s own 2 workers (about 2 of it)'))
     if float(meta[2][1].split()[0]) > os.cpu_count():
         meta.append(('caution', 'the 1-minute load at start exceeded the %d cores: other programs competed for '
                                 'them, so the step times are noisy; compare the paired overheads and rerun when idle'
                      % os.cpu_count()))
     text = report.render(results, [c['key'] for c in CONFIGS], _flag('steps'), FLAGS.batch, meta, failures)
-    print('\n' + text)
-    if FLAGS.out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, 'w') as f:
-            f.write(text)
-        print('written to ' + FLAGS.out)
+    _meta.publish(text, FLAGS.out)
 
 
 if __name__ == '__main__':

@@ -11,11 +11,9 @@ plain Keras processes at once (see _training/report.py for how the shares are co
 all models; each launch has a deadline, after which every process it started is killed. A launch that fails
 is reported with its output's tail and the rest still run. The table is printed and written to --out.
 """
-import datetime
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,6 +21,7 @@ import time
 from absl import app
 from absl import flags
 
+import _meta
 from _allreduce import launch
 from _training import common
 from _training import report
@@ -119,39 +118,13 @@ def measure_all(chosen, work_dir, rounds, steps):
     return results, [(label, why, tail) for label, (why, tail) in failed.items() if label not in results]
 
 
-def _git_head():
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        r = subprocess.run(['git', '-C', here, 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True,
-                           timeout=30)
-        return r.stdout.strip() or '?'
-    except (OSError, subprocess.TimeoutExpired):
-        return '?'
-
-
-def _version(dist):
-    from importlib import metadata
-    for d in (dist + '-cpu', dist):
-        try:
-            return metadata.version(d)
-        except metadata.PackageNotFoundError:
-            pass
-    return 'not installed'
-
-
 def run_meta(plan, rounds):
     """What a reader needs to judge the figures: when, on what, with which software and plan."""
-    with open('/proc/cpuinfo') as f:
-        cpu = next((line.split(':', 1)[1].strip() for line in f if line.startswith('model name')), '?')
-    with open('/proc/meminfo') as f:
-        mem_gib = int(f.readline().split()[1]) / (1 << 20)
     library = os.environ.get('KUNGFU_LIBRARY', 'the installed package\'s')
-    return [
-        ('date', datetime.datetime.now().astimezone().strftime('%Y-%m-%d %H:%M %Z')),
-        ('machine', '%d cores (%s), %.0f GiB, Linux %s' % (os.cpu_count(), cpu, mem_gib, platform.release())),
-        ('load average at start', '%.2f %.2f %.2f' % os.getloadavg()),
+    return _meta.machine_lines() + [
         ('software', 'Python %s, TensorFlow %s, Keras %s, kungfu library %s (tree %s)' % (
-            platform.python_version(), _version('tensorflow'), _version('keras'), library, _git_head())),
+            platform.python_version(), _meta.version('tensorflow-cpu', 'tensorflow'), _meta.version('keras'),
+            library, _meta.git_head())),
         ('plan', 'batch %d per worker, Keras SGD(0.01, momentum 0.9), synthetic data; per model and launch %d '
                  'warm-up + %d timed epochs of %d steps; %d round(s) of every launch, interleaved; kungfu fusion_bytes '
                  '%s%s' % (plan['batch'], plan['warmup'], plan['epochs'], plan['steps'], rounds,
@@ -173,14 +146,9 @@ def main(argv):
         plan = make_plan(work_dir)
         meta = run_meta(plan, _flag('rounds'))
         results, failures = measure_all(chosen, work_dir, _flag('rounds'), plan['steps'])
-    meta.append(('load average at end', '%.2f %.2f %.2f' % os.getloadavg()))
+    meta.append(('load average at end', _meta.load_average()))
     text = report.render(results, plan['models'], [s.label for s in chosen], plan['batch'], meta, failures)
-    print('\n' + text)
-    if FLAGS.out:
-        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-        with open(FLAGS.out, 'w') as f:
-            f.write(text)
-        print('written to ' + FLAGS.out)
+    _meta.publish(text, FLAGS.out)
 
 
 if __name__ == '__main__':
