@@ -12,6 +12,7 @@ Errors are in kungfu.errors. See docs/api.md and docs/training.md.
 """
 
 import importlib
+import os
 
 from . import errors
 from ._lib import finalize
@@ -31,7 +32,17 @@ _LAZY = {
     "optimizers": (".optimizers", None),
     "monitor": (".monitor", None),
     "keras": (".keras", None),
+    "policies": (".policies", None),
+    "PolicyRunner": ("._policy", "PolicyRunner"),
+    "data": (".data", None),
 }
+
+# Installed, kungfu.policies is a subpackage (setup.py maps it from policies/). In a source checkout
+# (python/ on sys.path) it is the repository's policies/ directory, found through this extra path.
+_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if not os.path.isdir(os.path.join(os.path.dirname(__file__), "policies")) and \
+        os.path.isfile(os.path.join(_SOURCE_ROOT, "policies", "__init__.py")):
+    __path__.append(_SOURCE_ROOT)
 
 __all__ = ["init", "finalize", "rank", "size", "local_rank", "local_size", "errors", *_LAZY]
 

@@ -6,7 +6,8 @@
     ├── PeerError              a peer failed, closed its connection or is unreachable   recoverable
     │   └── CollectiveTimeout  a collective or the start-up missed its deadline        recoverable
     ├── ClusterChangedError    work met a message of another cluster version            recoverable
-    └── EngineError            anything else the engine reports                        fatal
+    ├── EngineError            anything else the engine reports                        fatal
+    └── PolicyError            an adaptation policy raised, or asked for what it cannot  fatal
 
 Recoverable errors mean "the cluster is not what it was": a caller that can rebuild it (resize, restart
 from a checkpoint) may carry on; `is_recoverable(exc)` tells which is which.
@@ -63,6 +64,13 @@ class ClusterChangedError(KungFuError):
 
 class EngineError(KungFuError):
     """An engine failure with no more specific class (bad configuration, internal error)."""
+
+
+class PolicyError(KungFuError):
+    """An adaptation policy raised in one of its hooks (on any worker: every worker raises it), or a
+    decision cannot be applied (e.g. set_batch_size with no adaptive dataset). The message names the
+    policy, the hook, the step and the rank; on the worker where the policy raised, __cause__ is the
+    original exception."""
 
 
 _BY_CODE = {

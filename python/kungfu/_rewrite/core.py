@@ -26,7 +26,8 @@ from .ssgd import ssgd
 STRATEGIES = {"ssgd": (ssgd,)}  # strategy -> its passes, applied in order
 
 
-def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, monitors=None, monitor_interval=1, local_batch_size=None):
+def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, monitors=None, monitor_interval=1, local_batch_size=None,
+            policies=None, optimizer=None, dataset=None, batch_size=None):
     """Returns fn with KungFu collectives inserted on its gradients; fn's code does not change.
 
     fn: a training step (a tf.function, or a Python function, which is wrapped in one) that computes
@@ -39,6 +40,11 @@ def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, monitors=None, monitor_in
     the optimizer wrappers compute them; read them with kungfu.monitor.latest(step) (or the step's
     name). local_batch_size: this worker's batch size (a number or a tf.Variable), needed for "gns"
     and "snr", and for samples_per_sec. See docs/monitoring.md.
+    policies: None or a list of compilable kungfu.policies (the built-in ones), compiled into the step:
+    after the step's update, each one's after_step runs as ops under a tf.cond every policy.interval
+    calls, reading the monitors and assigning the controls: the learning rate of optimizer=, the batch
+    size of dataset= (a kungfu.data.AdaptiveDataset); batch_size= is the global batch size to read when
+    there is no dataset. Step.policy_stopped tells whether a policy asked to stop. See docs/policies.md.
 
     The returned callable takes fn's arguments. Each new input signature is rewritten once, at its first
     call (which needs kungfu.init()); a step whose gradients cannot be matched one to one with the
@@ -62,7 +68,19 @@ def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, monitors=None, monitor_in
         name = getattr(fn, "__name__", None) or "step"
         passes = tuple(MonitoredSSGD(names, monitor_interval, local_batch_size, name) if p is ssgd else p
                        for p in passes)
-    return Rewritten(fn, passes, options)
+    compiled = None
+    if policies is not None:
+        from .._policy.controls import Controls
+        from .._policy.graph import CompiledPolicies
+
+        name = getattr(fn, "__name__", None) or "step"
+        step_monitors = next((p.monitors for p in passes if isinstance(p, MonitoredSSGD)), None)
+        controls = Controls("kungfu.rewrite", optimizer=optimizer, dataset=dataset, monitors=step_monitors,
+                            batch_size=batch_size)
+        compiled = CompiledPolicies(policies, controls, name)
+    elif optimizer is not None or dataset is not None or batch_size is not None:
+        raise ValueError("kungfu.rewrite: optimizer=, dataset= and batch_size= are for policies=[...]")
+    return Rewritten(fn, passes, options, compiled)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,12 +110,13 @@ class Rewritten:
     a call of fn costs. One such tf.function per cluster size.
     """
 
-    def __init__(self, fn, passes, options):
+    def __init__(self, fn, passes, options, policies=None):
         if not isinstance(fn, tf.types.experimental.PolymorphicFunction):
             fn = tf.function(fn)
         self._fn = fn
         self._passes = tuple(passes)
         self._options = dict(options)
+        self._policies = policies  # graph.CompiledPolicies, or None
         self._name = getattr(fn, "__name__", None) or "step"
         self._lock = threading.Lock()
         self._functions = {}  # kungfu.size() -> the rewritten tf.function
@@ -122,6 +141,16 @@ class Rewritten:
         return next((p.monitors for p in self._passes if isinstance(p, MonitoredSSGD)), None)
 
     @property
+    def policy_stopped(self):
+        """Whether a compiled policy called ctx.stop() (False without policies)."""
+        return self._policies is not None and bool(self._policies.stop_flag.numpy())
+
+    @property
+    def policy_step(self):
+        """How many steps the compiled policies have counted (0 without policies)."""
+        return 0 if self._policies is None else int(self._policies.step.numpy())
+
+    @property
     def rewrite_count(self):
         """How many concrete functions have been rewritten so far."""
         return len(self._reports)
@@ -140,7 +169,11 @@ class Rewritten:
         cf = self._fn.get_concrete_function(*args, **kwargs)  # the original, for the same arguments
         sites = find.find_gradients(cf, f"kungfu.rewrite({self._name})")
         ctx = passes_lib.PassContext(function=self._name, size=size, options=self._options)
+        graph = tf.compat.v1.get_default_graph()
+        first_op = len(graph.get_operations())
         outputs = rebind.rebuild(rebind.plan(cf, sites), arguments, self._passes, ctx)
+        if self._policies is not None:  # after everything the step does, its update included
+            self._policies.build(graph.get_operations()[first_op:])
         report = Report(gradients=tuple((s.name, "sparse" if s.indices else "dense") for s in sites),
                         inserted=tuple(ctx.inserted))
         with self._lock:

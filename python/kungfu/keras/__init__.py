@@ -1,5 +1,6 @@
-"""Keras integration: callbacks for model.fit (kungfu.keras.callbacks)."""
+"""Keras integration: callbacks for model.fit (kungfu.keras.callbacks), and PolicyCallback."""
 
 from . import callbacks
+from .callbacks import PolicyCallback
 
-__all__ = ["callbacks"]
+__all__ = ["callbacks", "PolicyCallback"]

@@ -8,5 +8,6 @@
 from .broadcast_global_variables import BroadcastGlobalVariablesCallback
 from .metric_average import MetricAverageCallback
 from .monitor import MonitorCallback
+from .policy import PolicyCallback
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "MonitorCallback"]
+__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "MonitorCallback", "PolicyCallback"]

@@ -1,0 +1,66 @@
+"""How the Python-hook runners make every worker see the same readings and take the same decisions.
+
+Two small eager collectives per hook call that has a due policy (none otherwise, none on one worker):
+  1. mean_local_metrics: the metrics that are each worker's own (the step's loss and other logs,
+     step_time, samples_per_sec) are replaced by their mean over the workers, so every worker's policies
+     read the same context. The monitors' gns, grad_variance and snr are already the same everywhere.
+  2. exchange: after the policies ran, every worker all-gathers every worker's outcome: the error it
+     hit, if any, and its decisions. An error anywhere is raised on every worker; otherwise every
+     worker applies rank 0's decisions (a policy with a private random state or local input still
+     cannot make the workers diverge).
+Keys are fixed per runner and hook; the engine matches the n-th call of a key on every worker.
+"""
+
+import json
+import struct
+import zlib
+
+import numpy as np
+
+from .. import _lib
+from ..errors import PolicyError
+
+AGREED_METRICS = frozenset({"gns", "grad_variance", "snr"})  # computed from all-reduced values
+
+
+def _keys_checksum(keys):
+    return float(zlib.crc32("\0".join(keys).encode()))
+
+
+def mean_local_metrics(metrics, key, who):
+    """metrics with every local float replaced by its mean over the workers (one all_reduce)."""
+    if _lib.size() == 1:
+        return metrics
+    import tensorflow as tf
+
+    from ..ops import all_reduce
+
+    local = sorted(k for k, v in metrics.items() if k not in AGREED_METRICS and v is not None)
+    checksum = _keys_checksum(local)
+    vec = np.array([checksum] + [metrics[k] for k in local], np.float64)
+    out = all_reduce(tf.constant(vec), op="mean", name=key).numpy()
+    if out[0] != checksum:  # the mean of equal checksums is exact; of different ones, not equal to ours
+        raise PolicyError(f"{who}: the workers report different metrics (this worker: {', '.join(local)}); "
+                          "every worker must log the same keys")
+    return {**metrics, **{k: float(v) for k, v in zip(local, out[1:])}}
+
+
+def exchange(outcome, key):
+    """Every worker's outcome (a JSON-able dict), in rank order (one all_gather)."""
+    if _lib.size() == 1:
+        return [outcome]
+    import tensorflow as tf
+
+    from ..ops import all_gather
+
+    data = json.dumps(outcome).encode()
+    mine = np.frombuffer(struct.pack("<I", len(data)) + data, np.uint8)
+    got = all_gather(tf.constant(mine), name=key).numpy().tobytes()
+    outcomes, at = [], 0
+    while at < len(got):
+        (n,) = struct.unpack_from("<I", got, at)
+        outcomes.append(json.loads(got[at + 4:at + 4 + n]))
+        at += 4 + n
+    if len(outcomes) != _lib.size():
+        raise PolicyError(f"policy runner: expected {_lib.size()} outcomes from the workers, got {len(outcomes)}")
+    return outcomes

@@ -1,0 +1,280 @@
+"""Policies compiled into the training step: the graph context, and the ops that run them.
+
+    step = kungfu.rewrite(train_step, monitors=["gns"], local_batch_size=ds.local_batch_size_variable,
+                          policies=[kungfu.policies.gns_batch_size(64, 1024)], optimizer=opt, dataset=ds)
+
+CompiledPolicies.build() runs while the step is traced, after everything the step does (the update
+included): it counts the step, and for each policy traces its after_step once, with a GraphContext,
+inside a tf.cond that is true every `interval` steps. The policy's own code is what runs as a Python
+hook (policies/base.py "Compiled policies"): GraphContext has the Context's readings as float64 tensors
+read at that point, TfMath for ctx.math, actions that assign the control variables (controls.py) with
+tf.where(when, new, current), and State kept in tf.Variables. So monitor -> decision -> control is ops
+in the step, with no Python between steps, and the decisions match the Python hook's.
+
+Agreement: step, batch size, learning rate, strategy and the monitors' gns/grad_variance/snr are the
+same on every worker; step_time and samples_per_sec are all-reduced (mean) when a policy reads them,
+as the Python runners do. A compiled policy cannot read the loss (the step's outputs are the user's).
+"""
+
+import math
+
+import tensorflow as tf
+
+from .. import _lib
+from ..errors import PolicyError
+from ..policies import base
+from ..policies.context import STRATEGIES
+from ..policies.context import strategy_name
+from .controls import is_distributed
+
+F = tf.float64
+
+
+def _read(var):
+    """A control variable's value now (a tf.Variable, or a Keras variable such as the learning rate)."""
+    return tf.convert_to_tensor(var)
+
+
+def _num(x):
+    if isinstance(x, bool) or (isinstance(x, tf.Tensor) and x.dtype == tf.bool):
+        return tf.convert_to_tensor(x)
+    return tf.cast(x, F)
+
+
+class TfMath:
+    """ctx.math on tensors: the functions of policies.context.PyMath, with the same results."""
+
+    @staticmethod
+    def where(cond, a, b):
+        return tf.where(tf.cast(cond, tf.bool), _num(a), _num(b))
+
+    @staticmethod
+    def minimum(*xs):
+        out = _num(xs[0])
+        for x in xs[1:]:
+            out = tf.minimum(out, _num(x))
+        return out
+
+    @staticmethod
+    def maximum(*xs):
+        out = _num(xs[0])
+        for x in xs[1:]:
+            out = tf.maximum(out, _num(x))
+        return out
+
+    @staticmethod
+    def clip(x, lo, hi):
+        return tf.minimum(tf.maximum(_num(x), _num(lo)), _num(hi))
+
+    sqrt = staticmethod(lambda x: tf.sqrt(_num(x)))
+    floor = staticmethod(lambda x: tf.floor(_num(x)))
+    round = staticmethod(lambda x: tf.floor(_num(x) + 0.5))
+    abs = staticmethod(lambda x: tf.abs(_num(x)))
+    exp2 = staticmethod(lambda x: tf.pow(tf.constant(2.0, F), _num(x)))
+    not_ = staticmethod(lambda c: tf.logical_not(tf.cast(c, tf.bool)))
+    isfinite = staticmethod(lambda x: tf.math.is_finite(_num(x)))
+
+    @staticmethod
+    def log2(x):
+        v = tf.math.log(_num(x)) / math.log(2.0)
+        r = tf.floor(v + 0.5)
+        return tf.where(tf.abs(v - r) < 1e-9, r, v)  # exact at powers of two, as math.log2 is
+
+    @staticmethod
+    def all(*conds):
+        return tf.reduce_all(tf.stack([tf.cast(c, tf.bool) for c in conds]))
+
+    @staticmethod
+    def any(*conds):
+        return tf.reduce_any(tf.stack([tf.cast(c, tf.bool) for c in conds]))
+
+
+class GraphState:
+    """policies.context.State backed by tf.Variables (float64, or bool for bool initial values)."""
+
+    def __init__(self, variables):
+        object.__setattr__(self, "_vars", variables)
+
+    def __getattr__(self, name):
+        try:
+            return self._vars[name].read_value()
+        except KeyError:
+            raise AttributeError(f"policy state has no {name!r}; declare it in ctx.state(policy, {name}=...)") from None
+
+    def __setattr__(self, name, value):
+        raise AttributeError("write policy state with state.update(when=..., name=value)")
+
+    def update(self, when=True, **values):
+        unknown = set(values) - set(self._vars)
+        if unknown:
+            raise AttributeError(f"policy state has no {', '.join(sorted(unknown))}; declare it in ctx.state(...)")
+        for name, value in values.items():
+            var = self._vars[name]
+            var.assign(tf.where(tf.cast(when, tf.bool), tf.cast(value, var.dtype), var.read_value()))
+
+
+class _Metrics(dict):
+    """ctx.metrics in the graph: the monitors' values, and the mean step time / throughput on demand."""
+
+    def __init__(self, values, local, key):
+        super().__init__(values)
+        self._local, self._key = local, key
+
+    def __missing__(self, name):
+        if name in self._local:
+            from ..ops import all_reduce
+
+            v = tf.cast(self._local[name].read_value(), F)
+            self[name] = v if _lib.size() == 1 else all_reduce(v, op="mean", name=f"{self._key}/{name}")
+            return self[name]
+        raise KeyError(f"{name!r} is not available to a policy compiled into the graph (it has: "
+                       f"{', '.join(sorted(set(self) | set(self._local)))}); monitor it (monitors=[...]) "
+                       "or run the policy as a Python hook (PolicyRunner, PolicyCallback)")
+
+    def get(self, name, default=None):
+        try:
+            return self[name]
+        except KeyError:
+            return default
+
+
+class GraphContext:
+    """The Context of a compiled policy's after_step: readings are tensors, actions assign variables."""
+
+    math = TfMath
+
+    def __init__(self, compiled, step, key):
+        c = compiled.controls
+        self._compiled, self._controls = compiled, c
+        self.hook = "after_step"
+        self.step = tf.cast(step, F)
+        self.cluster_size = _lib.size()
+        self.batch_size = self._batch()
+        self.local_batch_size = None if self.batch_size is None else self.batch_size / self.cluster_size
+        self.learning_rate = (tf.cast(_read(c.learning_rate_variable()), F)
+                              if c.optimizer is not None and _lr_settable(c) else None)
+        self.strategy = (tf.cast(c.optimizer.strategy_variable.read_value(), F)
+                         if c.optimizer is not None and is_distributed(c.optimizer) else None)
+        m = c.monitors
+        values, local = {}, {}
+        if m is not None:
+            for k, var, on in (("gns", m.gns, "gns"), ("grad_variance", m.grad_variance, "variance"),
+                               ("snr", m.snr, "snr")):
+                if on in m.names:
+                    values[k] = tf.cast(_read(var), F)
+            local["step_time"] = m.step_time
+            if m.has_batch:
+                local["samples_per_sec"] = m.samples_per_sec
+        self.metrics = _Metrics(values, local, key)
+
+    def _batch(self):
+        c = self._controls
+        if c.dataset is not None:
+            return tf.cast(c.dataset.batch_size_variable.read_value(), F)
+        return None if c.fixed_batch_size is None else tf.constant(float(c.fixed_batch_size), F)
+
+    @property
+    def epoch(self):
+        ds = self._controls.dataset
+        if ds is None:
+            raise PolicyError("ctx.epoch is not known to a policy compiled into the graph without dataset=")
+        return tf.cast(ds.epoch_variable.read_value(), F)
+
+    @property
+    def samples_seen(self):
+        ds = self._controls.dataset
+        if ds is not None:
+            return tf.cast(ds.samples_seen_variable.read_value(), F)
+        return None if self.batch_size is None else self.step * self.batch_size
+
+    def is_strategy(self, name):
+        if self.strategy is None:  # unknown, as in the Python Context
+            strategy_name(name)
+            return tf.constant(False)
+        return tf.equal(self.strategy, float(STRATEGIES.index(strategy_name(name))))
+
+    def set_batch_size(self, n, when=True):
+        var = self._controls.batch_size_target().batch_size_variable
+        when, n = tf.cast(when, tf.bool), _num(n)
+        ok = tf.logical_or(tf.logical_not(when), tf.logical_and(n >= 1, tf.equal(tf.floor(n), n)))
+        with tf.control_dependencies([tf.debugging.Assert(ok, ["set_batch_size: not a whole number >= 1:", n])]):
+            new = tf.where(when, n, tf.cast(_read(var), F))
+        var.assign(tf.cast(new, var.dtype))
+        self.batch_size, self.local_batch_size = new, new / self.cluster_size
+
+    def set_learning_rate(self, lr, when=True):
+        var = self._controls.learning_rate_variable()
+        when, lr = tf.cast(when, tf.bool), _num(lr)
+        ok = tf.logical_or(tf.logical_not(when), tf.logical_and(tf.math.is_finite(lr), lr > 0))
+        with tf.control_dependencies([tf.debugging.Assert(ok, ["set_learning_rate: not a finite number > 0:", lr])]):
+            new = tf.where(when, lr, tf.cast(_read(var), F))
+        var.assign(tf.cast(new, var.dtype))
+        self.learning_rate = new
+
+    def set_strategy(self, strategy, when=True):
+        var = self._controls.strategy_target().strategy_variable
+        idx = tf.cast(STRATEGIES.index(strategy_name(strategy)) if isinstance(strategy, str) else strategy, F)
+        new = tf.where(tf.cast(when, tf.bool), idx, tf.cast(_read(var), F))
+        var.assign(tf.cast(new, var.dtype))
+        self.strategy = new
+
+    def stop(self, when=True):
+        flag = self._compiled.stop_flag
+        flag.assign(tf.logical_or(flag.read_value(), tf.cast(when, tf.bool)))
+
+    def state(self, policy, **initial):
+        return GraphState(self._compiled.state_variables(policy, initial))
+
+
+def _lr_settable(controls):
+    try:
+        controls.learning_rate_variable()
+        return True
+    except PolicyError:
+        return False
+
+
+class CompiledPolicies:
+    """The policies of one kungfu.rewrite call, compiled into its step; shared by all its traces."""
+
+    def __init__(self, policies, controls, name):
+        self.policies = base.check_policies(policies, "kungfu.rewrite")
+        for p in self.policies:
+            if not p.compilable:
+                raise ValueError(f"kungfu.rewrite: policy {p.name} is not compilable into the graph (its compilable "
+                                 "is False); run it as a Python hook with kungfu.PolicyRunner or "
+                                 "kungfu.keras.PolicyCallback")
+        self.controls = controls
+        self.name = name
+        with tf.init_scope(), tf.device("CPU:0"):
+            self.step = tf.Variable(0, trainable=False, dtype=tf.int64, name="kungfu_policy_step")
+            self.stop_flag = tf.Variable(False, trainable=False, name="kungfu_policy_stop")
+        self._state = {}  # (policy index, name) -> tf.Variable
+
+    def state_variables(self, policy, initial):
+        i = next(j for j, p in enumerate(self.policies) if p is policy)
+        out = {}
+        for name, value in initial.items():
+            if (i, name) not in self._state:
+                with tf.init_scope(), tf.device("CPU:0"):
+                    dtype = tf.bool if isinstance(value, bool) else F
+                    self._state[(i, name)] = tf.Variable(value, trainable=False, dtype=dtype,
+                                                         name=f"kungfu_policy_state_{name}")
+            out[name] = self._state[(i, name)]
+        return out
+
+    def build(self, after):
+        """The policies' ops, run after the ops in after (the step's own); returns the last op."""
+        with tf.control_dependencies(after):
+            step = self.step.assign_add(1)
+        done = step
+        for i, p in enumerate(self.policies):
+            key = f"kungfu/policy/{self.name}/{i}"
+
+            def run(p=p, key=key):
+                p.after_step(GraphContext(self, step, key))
+                return tf.constant(True)
+
+            with tf.control_dependencies([done]):
+                done = tf.cond(tf.equal(step % p.interval, 0), run, lambda: tf.constant(False))
+        return done

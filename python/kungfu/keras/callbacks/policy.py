@@ -1,0 +1,66 @@
+"""PolicyCallback: adaptation policies (kungfu.policies) run from model.fit."""
+
+import keras
+
+from ..._policy import PolicyRunner
+
+
+class PolicyCallback(keras.callbacks.Callback):
+    """Runs policies around model.fit's steps and epochs, on every worker, with the same decisions.
+
+        ds = kungfu.data.AdaptiveDataset((x, y), global_batch_size=64)
+        opt = kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1), monitor=["gns"],
+                                                        local_batch_size=ds.local_batch_size_variable)
+        model.compile(optimizer=opt, loss=...)
+        cb = kungfu.keras.PolicyCallback([kungfu.policies.gns_batch_size(64, 1024)], dataset=ds)
+        model.fit(ds.as_dataset(), epochs=10, callbacks=[cb])
+
+    policies: a list of kungfu.policies.BasePolicy. dataset: the kungfu.data.AdaptiveDataset model.fit
+    iterates (needed to change the batch size). optimizer: by default the model's. monitors: where the
+    metrics come from when not the optimizer's. The step's logs (loss, metrics) join ctx.metrics,
+    averaged over the workers. A policy's ctx.stop() stops model.fit after that step (or epoch).
+    .runner is the kungfu.PolicyRunner doing the work (its .history and summary() tell what changed).
+    Batch-end hooks are overridden, so Keras dispatches steps synchronously (the callback needs the logs).
+    """
+
+    def __init__(self, policies, dataset=None, optimizer=None, monitors=None, batch_size=None):
+        super().__init__()
+        self._args = dict(policies=policies, dataset=dataset, optimizer=optimizer, monitors=monitors,
+                          batch_size=batch_size)
+        from ... import policies as _policies
+
+        _policies.base.check_policies(policies, "PolicyCallback")
+        self.runner = None
+
+    def _runner(self):
+        if self.runner is None:
+            a = dict(self._args)
+            if a["optimizer"] is None:
+                a["optimizer"] = getattr(self.model, "optimizer", None)
+            self.runner = PolicyRunner(a.pop("policies"), **a)
+        return self.runner
+
+    def _stop_if_asked(self):
+        if self.runner.stopped:
+            self.model.stop_training = True
+
+    def on_train_begin(self, logs=None):
+        self._runner().before_train(logs)
+        self._stop_if_asked()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._runner().before_epoch(epoch, logs)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._runner().before_step()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._runner().after_step(logs)
+        self._stop_if_asked()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._runner().after_epoch(logs)
+        self._stop_if_asked()
+
+    def on_train_end(self, logs=None):
+        self._runner().after_train(logs)

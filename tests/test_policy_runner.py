@@ -1,0 +1,226 @@
+"""The policy runners on one process: PolicyRunner, PolicyCallback and policies compiled by kungfu.rewrite.
+
+What a policy decides, when it takes effect, that a policy compiled into the step decides as its Python
+hook does, and the errors. The workers' agreement is in test_policy_mp.py; the built-in policies'
+decisions are in tests/policies/.
+"""
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import kungfu
+from kungfu import optimizers
+from kungfu.errors import PolicyError
+from kungfu.policies import BasePolicy
+
+pytestmark = pytest.mark.usefixtures("kungfu_library")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cluster_of_one():
+    kungfu.init()
+
+
+class HalveLrOnce(BasePolicy):
+    """Compilable: halves the learning rate once, at the first call at or after step `at`; stops at `stop_at`."""
+
+    compilable = True
+
+    def __init__(self, at=4, stop_at=None, interval=2):
+        self.at, self.stop_at, self.interval = at, stop_at, interval
+
+    def after_step(self, ctx):
+        s = ctx.state(self, done=0.0)
+        hit = ctx.math.all(ctx.step >= self.at, s.done < 1)
+        ctx.set_learning_rate(ctx.learning_rate * 0.5, when=hit)
+        s.update(when=hit, done=1.0)
+        if self.stop_at is not None:
+            ctx.stop(when=ctx.step >= self.stop_at)
+
+
+class Recorder(BasePolicy):
+    """Records the hooks it sees, with step and epoch."""
+
+    def __init__(self):
+        self.calls = []
+
+    def _note(self, ctx):
+        self.calls.append((ctx.hook, ctx.step, ctx.epoch))
+
+    before_train = before_epoch = before_step = after_step = after_epoch = after_train = _note
+
+
+def model_and_data(seed=1):
+    keras.utils.set_random_seed(seed)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    rng = np.random.RandomState(seed)
+    return model, rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(16, 3)).astype(np.float32)
+
+
+def step_fn(model, opt):
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return train_step
+
+
+def test_python_hook_and_compiled_policy_decide_the_same_at_the_same_steps():
+    model, x, y = model_and_data()
+    opt = keras.optimizers.SGD(0.1)
+    step = kungfu.rewrite(step_fn(model, opt))
+    runner = kungfu.PolicyRunner([HalveLrOnce(at=5, stop_at=9)], optimizer=opt, batch_size=16)
+    hook_lrs = []
+    while not runner.stopped:
+        runner.after_step(loss=step(x, y))
+        hook_lrs.append(float(opt.learning_rate.numpy()))
+
+    model, x, y = model_and_data()
+    opt = keras.optimizers.SGD(0.1)
+    step = kungfu.rewrite(step_fn(model, opt), policies=[HalveLrOnce(at=5, stop_at=9)], optimizer=opt,
+                          batch_size=16)
+    graph_lrs = []
+    while not step.policy_stopped:
+        step(x, y)
+        graph_lrs.append(float(opt.learning_rate.numpy()))
+    assert hook_lrs == graph_lrs
+    assert hook_lrs == pytest.approx([0.1] * 5 + [0.05] * 5)  # decided after step 6 (interval 2), stop after 10
+    assert runner.step == step.policy_step == 10
+    assert [(s, h, sorted(c)) for s, _, h, c in runner.history] == [(6, "after_step", ["learning_rate"]),
+                                                                    (10, "after_step", ["stop"])]
+
+
+def test_hooks_are_called_in_order_with_step_and_epoch():
+    rec = Recorder()
+    runner = kungfu.PolicyRunner([rec])
+    runner.before_train()
+    for _ in range(2):
+        runner.before_epoch()
+        for _ in range(2):
+            runner.before_step()
+            runner.after_step(loss=1.0)
+        runner.after_epoch()
+    runner.after_train()
+    assert rec.calls == [("before_train", 0, 0),
+                         ("before_epoch", 0, 0), ("before_step", 0, 0), ("after_step", 1, 0),
+                         ("before_step", 1, 0), ("after_step", 2, 0), ("after_epoch", 2, 0),
+                         ("before_epoch", 2, 1), ("before_step", 2, 1), ("after_step", 3, 1),
+                         ("before_step", 3, 1), ("after_step", 4, 1), ("after_epoch", 4, 1),
+                         ("after_train", 4, 2)]
+
+
+def test_interval_skips_step_hooks_and_metrics_carry_the_logs():
+    seen = []
+
+    class Every3(BasePolicy):
+        interval = 3
+
+        def after_step(self, ctx):
+            seen.append((ctx.step, ctx.metrics["loss"], ctx.batch_size, ctx.samples_seen))
+
+    runner = kungfu.PolicyRunner([Every3()], batch_size=8)
+    for i in range(7):
+        runner.after_step({"loss": np.float32(i)})
+    assert seen == [(3, 2.0, 8, 24), (6, 5.0, 8, 48)]
+
+
+def test_policy_callback_changes_the_learning_rate_and_stops_fit():
+    model, x, y = model_and_data()
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1))
+    model.compile(optimizer=opt, loss="mse")
+    cb = kungfu.keras.PolicyCallback([HalveLrOnce(at=3, stop_at=7, interval=1)])
+    steps = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            steps.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    model.fit(x, y, batch_size=4, epochs=5, verbose=0, callbacks=[Count(), cb])
+    # Count runs before the policy: step 3's rate is read before the policy halves it after step 3.
+    assert steps == pytest.approx([0.1, 0.1, 0.1, 0.05, 0.05, 0.05, 0.05])  # 4 steps an epoch; stopped after 7
+    assert cb.runner.step == 7 and cb.runner.stopped
+
+
+def test_strategy_changes_on_a_distributed_optimizer_and_is_refused_on_a_plain_one():
+    class ToSma(BasePolicy):
+        def after_step(self, ctx):
+            ctx.set_strategy("sma", when=ctx.step == 2)
+
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1))
+    runner = kungfu.PolicyRunner([ToSma()], optimizer=opt)
+    runner.after_step()
+    assert opt.strategy == "ssgd"
+    runner.after_step()
+    assert opt.strategy == "sma"
+    plain = kungfu.PolicyRunner([ToSma()], optimizer=keras.optimizers.SGD(0.1))
+    plain.after_step()
+    with pytest.raises(PolicyError, match="DistributedOptimizer"):
+        plain.after_step()
+
+
+def test_a_policy_that_raises_gives_a_policy_error_naming_it():
+    class Broken(BasePolicy):
+        def after_step(self, ctx):
+            raise ZeroDivisionError("no data")
+
+    runner = kungfu.PolicyRunner([Broken()])
+    with pytest.raises(PolicyError, match=r"policy Broken raised in after_step at step 1: ZeroDivisionError: "
+                                          r"no data, on rank 0") as info:
+        runner.after_step()
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+
+
+def test_decisions_the_controls_cannot_carry_out_are_clear_errors():
+    class SetBatch(BasePolicy):
+        def after_step(self, ctx):
+            ctx.set_batch_size(64)
+
+    with pytest.raises(PolicyError, match="AdaptiveDataset"):
+        kungfu.PolicyRunner([SetBatch()]).after_step()
+
+    class SetLr(BasePolicy):
+        def after_step(self, ctx):
+            ctx.set_learning_rate(0.5)
+
+    with pytest.raises(PolicyError, match="optimizer="):
+        kungfu.PolicyRunner([SetLr()]).after_step()
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 10, 0.9)
+    with pytest.raises(PolicyError, match="schedule"):
+        kungfu.PolicyRunner([SetLr()], optimizer=keras.optimizers.SGD(schedule)).after_step()
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="BasePolicy"):
+        kungfu.PolicyRunner([object()])
+    with pytest.raises(TypeError, match="BasePolicy"):
+        kungfu.keras.PolicyCallback("gns")
+    with pytest.raises(ValueError, match="not compilable"):
+        kungfu.rewrite(lambda: None, policies=[Recorder()])
+    with pytest.raises(ValueError, match="policies="):
+        kungfu.rewrite(lambda: None, optimizer=keras.optimizers.SGD())
+    with pytest.raises(ValueError, match="batch_size"):
+        kungfu.PolicyRunner([Recorder()], batch_size=0)
+    p = HalveLrOnce()
+    p.interval = 0
+    with pytest.raises(ValueError, match="interval"):
+        kungfu.PolicyRunner([p])
+
+
+def test_a_compiled_policy_reading_what_the_graph_lacks_names_it():
+    class ReadsLoss(BasePolicy):
+        compilable = True
+
+        def after_step(self, ctx):
+            ctx.set_learning_rate(ctx.metrics["loss"], when=False)
+
+    model, x, y = model_and_data()
+    opt = keras.optimizers.SGD(0.1)
+    step = kungfu.rewrite(step_fn(model, opt), policies=[ReadsLoss()], optimizer=opt)
+    with pytest.raises(KeyError, match="'loss' is not available to a policy compiled into the graph"):
+        step(x, y)
