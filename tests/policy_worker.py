@@ -1,0 +1,138 @@
+"""The worker of test_policy_mp.py, started N times by kfrun. Not a test module itself.
+
+    python -m kungfu.launcher -np 4 -- python tests/policy_worker.py
+
+Prints one "KFCHECK <name> OK|FAIL ..." line per check (tests/mp.py). Each check trains a little with
+policies that change the strategy, the learning rate and the batch size, records what every step ran
+with, and compares the records of all workers (all_gather): every change must take effect at the
+same step everywhere, even when the policies see different local values; a policy that raises on
+one worker must raise PolicyError on every worker, promptly.
+"""
+
+import mp
+
+mp.worker_started()  # first thing, so the test can kill this process on every path
+
+import time  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import kungfu  # noqa: E402
+from kungfu import optimizers  # noqa: E402
+from kungfu.errors import PolicyError  # noqa: E402
+from kungfu.policies import BasePolicy  # noqa: E402
+
+FEATURES, CLASSES = 6, 3
+
+
+def data(n=256, seed=5):
+    rng = np.random.RandomState(seed)
+    x = rng.normal(size=(n, FEATURES)).astype(np.float32)
+    return x, (x[:, :CLASSES].argmax(1)).astype(np.int64)
+
+
+def compiled_model(opt):
+    keras.utils.set_random_seed(11)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
+                              keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def same_everywhere(record, what):
+    """Raises unless every worker's record (a float64 array of the same shape) equals rank 0's."""
+    mine = np.asarray(record, np.float64)
+    every = kungfu.all_gather(tf.constant(mine[None])).numpy()
+    for r, theirs in enumerate(every):
+        if not np.array_equal(theirs, every[0]):
+            raise AssertionError(f"{what}: rank {r} recorded {theirs.tolist()}, rank 0 {every[0].tolist()}")
+    return every[0]
+
+
+class Record(keras.callbacks.Callback):
+    """After the policy callback: what each step ran with (strategy index, learning rate, batch rows)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        opt = self.model.optimizer
+        self.rows.append([float(opt.strategy_variable.numpy()), float(opt.learning_rate.numpy())])
+
+
+class Schedule(BasePolicy):
+    """Switches to SMA after step 4 and sets the learning rate to 0.05 after step 6."""
+
+    def after_step(self, ctx):
+        ctx.set_strategy("sma", when=ctx.step == 4)
+        ctx.set_learning_rate(0.05, when=ctx.step == 6)
+
+
+def strategy_and_learning_rate_change_at_the_same_step():
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1))
+    model = compiled_model(opt)
+    x, y = data()
+    rec = Record()
+    model.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=9, verbose=0,
+              callbacks=[kungfu.keras.PolicyCallback([Schedule()]), rec])
+    rows = same_everywhere(rec.rows, "strategy, learning rate per step")
+    expect_strategy = [0] * 3 + [1] * 6  # the switch after step 4 is seen from step 4's record on
+    got_strategy = [int(s) for s in rows[:, 0]]
+    assert got_strategy == expect_strategy, got_strategy
+    assert np.allclose(rows[:, 1], [0.1] * 5 + [0.05] * 4), rows[:, 1]
+
+
+class LocalMind(BasePolicy):
+    """Decides from this worker's own value: the runner must apply rank 0's decision everywhere."""
+
+    def after_step(self, ctx):
+        ctx.set_learning_rate(0.01 * (kungfu.rank() + 1))
+        self.seen = ctx.metrics["own"]
+
+
+def local_decisions_follow_rank_0_and_local_metrics_are_averaged():
+    opt = keras.optimizers.SGD(0.1)
+    policy = LocalMind()
+    runner = kungfu.PolicyRunner([policy], optimizer=opt)
+    runner.after_step(own=float(kungfu.rank()))
+    assert abs(float(opt.learning_rate.numpy()) - 0.01) < 1e-9, float(opt.learning_rate.numpy())
+    assert policy.seen == (kungfu.size() - 1) / 2, policy.seen  # mean of the ranks
+
+
+class FailsOnRank1(BasePolicy):
+    def after_step(self, ctx):
+        if kungfu.rank() == 1 and ctx.step == 3:
+            raise RuntimeError("rank 1 cannot decide")
+
+
+def a_policy_raising_on_one_worker_raises_on_every_worker():
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1))
+    model = compiled_model(opt)
+    x, y = data()
+    start = time.perf_counter()
+    try:
+        model.fit(x, y, batch_size=16, epochs=1, steps_per_epoch=8, verbose=0,
+                  callbacks=[kungfu.keras.PolicyCallback([FailsOnRank1()])])
+    except PolicyError as e:
+        assert "policy FailsOnRank1 raised in after_step at step 3: RuntimeError: rank 1 cannot decide, on rank 1" \
+            in str(e), str(e)
+    else:
+        raise AssertionError("model.fit did not raise PolicyError")
+    took = time.perf_counter() - start
+    assert took < 20, f"the error took {took:.1f} s to reach this worker (KUNGFU_TIMEOUT is 60 s)"
+    kungfu.barrier()  # the workers carry on together after the error
+
+
+def main():
+    kungfu.init()
+    checks = [strategy_and_learning_rate_change_at_the_same_step,
+              local_decisions_follow_rank_0_and_local_metrics_are_averaged,
+              a_policy_raising_on_one_worker_raises_on_every_worker]
+    mp.run_checks(checks, kungfu.rank())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""Policies across real worker processes started by kfrun; see tests/policy_worker.py.
+
+A policy's strategy, learning-rate and batch-size changes take effect on every worker at the same step;
+workers never diverge, even when their policies see different local values; a policy that raises on
+one worker raises PolicyError on every worker, with no hang.
+"""
+
+import os
+
+import pytest
+
+from conftest import REPO
+from mp import assert_checks_passed, launch
+
+pytestmark = pytest.mark.usefixtures("kungfu_library")
+
+WORKER = os.path.join(REPO, "tests", "policy_worker.py")
+CHECKS = ["strategy_and_learning_rate_change_at_the_same_step",
+          "local_decisions_follow_rank_0_and_local_metrics_are_averaged",
+          "a_policy_raising_on_one_worker_raises_on_every_worker"]
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_policies_agree_across_workers(np_, tmp_path):
+    code, out = launch(np_, [WORKER], tmp_path, timeout=60, budget=300)
+    assert_checks_passed(code, out, CHECKS, np_)
