@@ -1,0 +1,54 @@
+"""Small helpers the built-in policies share for reading a context the same way in Python and in the graph.
+
+A compilable policy's after_step runs on plain numbers (Context) and on tensors (the graph context).
+Tensors cannot be truth-tested, so these helpers never write `x or default` or `if x` on a reading:
+None (Python only: "not known") becomes 0, and 0 is what the monitors report before their first
+estimate, so "no estimate" is one test, `is_estimate`, in both worlds.
+"""
+
+import math as _math
+import numbers
+
+
+def metric(ctx, name):
+    """ctx.metrics[name], with a missing key or None (Python only) read as 0, "no estimate yet"."""
+    metrics = ctx.metrics if ctx.metrics is not None else {}
+    value = metrics.get(name, 0.0)
+    return 0.0 if value is None else value
+
+
+def is_estimate(math, x):
+    """Whether x is a usable positive estimate: finite and > 0 (a bool, or a bool tensor)."""
+    return math.all(math.isfinite(x), x > 0)
+
+
+def safe(math, ok, x, fallback):
+    """x where ok, else fallback. Used before dividing, rounding or taking a root, because PyMath
+    evaluates both sides of a where() and Python raises on 1/0, floor(inf) or sqrt(-1)."""
+    return math.where(ok, x, fallback)
+
+
+def reading(ctx, name, policy):
+    """A reading the policy cannot work without; ValueError naming the fix when the runner lacks it."""
+    value = getattr(ctx, name)
+    if value is None:
+        raise ValueError(f"{policy!r} needs ctx.{name}, which the runner does not know: run it under "
+                         f"kungfu.PolicyRunner or kungfu.keras.PolicyCallback with an adaptive dataset "
+                         f"(or set {name} in the Context you built)")
+    return value
+
+
+def check_number(who, name, value, *, low=None, low_open=False, integer=False, allow_none=False):
+    """Constructor validation: value is a finite real (an int if integer) >= low (> low if low_open)."""
+    if value is None and allow_none:
+        return None
+    kind = "a whole number" if integer else "a finite number"
+    ok = (not isinstance(value, bool) and isinstance(value, numbers.Real) and _math.isfinite(value)
+          and (not integer or float(value).is_integer()))
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if not ok:
+        bound = "" if low is None else f" {'>' if low_open else '>='} {low}"
+        none = " or None" if allow_none else ""
+        raise ValueError(f"{who}: {name} must be {kind}{bound}{none}, got {value!r}")
+    return int(value) if integer else float(value)
