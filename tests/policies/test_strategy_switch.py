@@ -1,0 +1,65 @@
+"""StrategySwitchPolicy: switches once, by step or when a monitored threshold is crossed."""
+
+import pytest
+
+from policies.scheduled import scheduled
+from policies.strategy_switch import strategy_switch
+from policy_runs import python_caller
+from policy_runs import simulate
+
+
+def no_metrics(step, batch):
+    return {}
+
+
+def test_switches_at_the_step_once():
+    log, final = simulate(python_caller([strategy_switch("ssgd", at_step=25)]), 100, no_metrics)
+    assert log == {25: {"strategy": "ssgd"}} and final["strategy"] == "ssgd"
+    p = strategy_switch("ssgd", at_step=25, interval=10)  # the first call at or after the step
+    log, _ = simulate(python_caller([p]), 100, no_metrics)
+    assert log == {30: {"strategy": "ssgd"}}
+
+
+def test_switches_on_the_noise_scale_once_and_does_not_switch_back():
+    gns = {10: None, 20: 0.0, 30: 900.0, 40: 1500.0, 50: 100.0, 60: 2000.0}
+    p = strategy_switch("ssgd", gns_above=1000, interval=10)
+    back = scheduled({45: {"strategy": "sma"}})  # someone else switches back: not fought
+    log, final = simulate(python_caller([p, back]), 70, lambda step, batch: {"gns": gns.get(step)})
+    assert log == {40: {"strategy": "ssgd"}, 45: {"strategy": "sma"}}
+    assert final["strategy"] == "sma"
+
+
+def test_switches_on_a_low_snr_but_not_on_no_estimate():
+    snr = {1: 0.0, 2: None, 3: 0.5, 4: 0.04, 5: 0.01}
+    p = strategy_switch("pair_averaging", snr_below=0.05)
+    log, _ = simulate(python_caller([p]), 6, lambda step, batch: {"snr": snr.get(step)}, strategy="ssgd")
+    assert log == {4: {"strategy": "pair_averaging"}}
+
+
+def test_any_trigger_wins_and_warmup_delays_the_thresholds_only():
+    p = strategy_switch("ssgd", at_step=50, gns_above=10, warmup_steps=20)
+    log, _ = simulate(python_caller([p]), 60, lambda step, batch: {"gns": 100.0})
+    assert log == {20: {"strategy": "ssgd"}}
+    p = strategy_switch("ssgd", at_step=5, gns_above=10, warmup_steps=20)
+    log, _ = simulate(python_caller([p]), 60, lambda step, batch: {"gns": 100.0})
+    assert log == {5: {"strategy": "ssgd"}}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(), "give a trigger: at_step=, gns_above= or snr_below="),
+    (dict(to="allreduce", at_step=5), "unknown strategy 'allreduce'"),
+    (dict(at_step=0), "at_step must be a whole number >= 1"),
+    (dict(gns_above=-1), "gns_above must be a finite number > 0"),
+    (dict(snr_below=float("inf")), "snr_below must be a finite number > 0"),
+    (dict(at_step=5, interval=0), "interval must be a whole number >= 1"),
+])
+def test_validation_names_the_fix(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        strategy_switch(**kwargs)
+
+
+def test_repr_and_compilable():
+    p = strategy_switch("ssgd", at_step=100)
+    assert repr(p) == ("strategy_switch(to='ssgd', at_step=100, gns_above=None, snr_below=None, "
+                       "warmup_steps=0, interval=1)")
+    assert p.compilable
