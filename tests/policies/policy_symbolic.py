@@ -103,8 +103,7 @@ def _cond(x):
 
 
 class SymMath:
-    """ctx.math on Syms, bound to the run's operation log. clip() applies the upper bound first, as
-    tf.clip_by_value does (PyMath applies the lower first; the two differ only when lo > hi)."""
+    """ctx.math on Syms, bound to the run's operation log."""
 
     def __init__(self, log):
         self.log = log
@@ -123,7 +122,7 @@ class SymMath:
         return self._op("maximum", np.maximum, a, b)
 
     def clip(self, x, lo, hi):
-        return self.maximum(self.minimum(x, hi), lo)
+        return self.minimum(self.maximum(x, lo), hi)  # as PyMath and the graph's TfMath: hi wins if lo > hi
 
     def sqrt(self, x):
         return self._op("sqrt", np.sqrt, x)
