@@ -22,6 +22,7 @@ import numpy as np
 import tensorflow as tf
 
 from .. import _lib
+from ..ops import _naming
 from . import _plan
 
 _log = logging.getLogger("kungfu")
@@ -126,22 +127,32 @@ class AdaptiveDataset:
 
     # ---- control ----
 
-    def set_batch_size(self, n):
+    def set_batch_size(self, n, after=None):
         """Sets the global batch size from the next batch on, on this worker: change it at the same step on
-        every worker (the policies do). Eagerly n must be an int >= size(); inside a tf.function it may
-        also be an integer tensor, checked when the step runs."""
-        if isinstance(n, tf.Tensor) and not tf.executing_eagerly():
+        every worker (the policies do). n: an int >= size(); inside a tf.function also an integer tensor,
+        checked when the step runs.
+
+        Inside a tf.function the assign waits for the function's inputs (the batch, in model.fit's step
+        and in a step called with its batch) and for `after` (tensors made from this step's batch: pass
+        them when the function pulls its batch itself). Unordered, TensorFlow may run the assign before
+        the step's batch is pulled, and the change would land one step early."""
+        if tf.executing_eagerly():
+            if isinstance(n, (tf.Tensor, tf.Variable, np.ndarray)) and n.shape == ():  # its value is checked
+                n = n[()] if isinstance(n, np.ndarray) else n.numpy()
+            return self.batch_size_variable.assign(_plan.check_batch_size(n, self._size))
+        checks = []
+        if isinstance(n, (tf.Tensor, tf.Variable)):
             if not n.dtype.is_integer:
                 raise TypeError(f"the global batch size must be an integer tensor, got dtype {n.dtype.name}")
             n = tf.cast(n, tf.int64)
-            check = tf.debugging.assert_greater_equal(
+            checks.append(tf.debugging.assert_greater_equal(
                 n, tf.constant(self._size, tf.int64),
-                message=f"the global batch size must be at least the number of workers ({self._size})")
-            with tf.control_dependencies([check]):
-                return self.batch_size_variable.assign(n)
-        if isinstance(n, (tf.Tensor, np.ndarray)) and n.shape == ():  # a scalar: its value is checked
-            n = n.numpy() if isinstance(n, tf.Tensor) else n[()]
-        return self.batch_size_variable.assign(_plan.check_batch_size(n, self._size))
+                message=f"the global batch size must be at least the number of workers ({self._size})"))
+        else:
+            n = tf.constant(_plan.check_batch_size(n, self._size), tf.int64)
+        after = [] if after is None else tf.nest.flatten(after)
+        with tf.control_dependencies(checks + _step_inputs() + after):
+            return self.batch_size_variable.assign(n)
 
     # ---- the pipeline ----
 
@@ -213,6 +224,12 @@ class AdaptiveDataset:
                 "the same on every worker: the dataset shards it itself (no x[kungfu.rank()::kungfu.size()]).")
 
 
+def _step_inputs():
+    """The data inputs of the tf.function being traced (seen through cond and loop bodies)."""
+    graph = _naming.function_graph(tf.compat.v1.get_default_graph())
+    return [t for t in getattr(graph, "inputs", ()) if t.dtype != tf.resource]
+
+
 def _flatten(data):
     """(structure, arrays): data's nest of tuples and dicts (lists become tuples), and its arrays."""
     def normalize(d):
@@ -233,9 +250,10 @@ def _flatten(data):
             raise ValueError(f"AdaptiveDataset: every array needs a first (sample) dimension; got a scalar {a!r}")
         try:
             tf.as_dtype(a.dtype)
-        except TypeError:
-            raise TypeError(f"AdaptiveDataset: an array of dtype {a.dtype} cannot become a tensor; convert it "
-                            "(strings to bytes with .astype(bytes), objects to numbers)") from None
+            tf.convert_to_tensor(a[:1])  # an object array converts only if its items do
+        except (TypeError, ValueError):
+            raise TypeError(f"AdaptiveDataset: an array of dtype {a.dtype} cannot become a tensor; convert its "
+                            "items to numbers, str or bytes") from None
     return structure, arrays
 
 
