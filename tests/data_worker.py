@@ -13,6 +13,8 @@ sizes change exactly at the steps the schedule says. Prints "KFCHECK <name> OK|F
   with different step counts would hang); the batch size changes from a callback's on_train_batch_end
   and from an assign inside the train step's graph; the step reads ds.local_batch_size_variable (as the
   monitors do) and must see its own batch's size.
+- workers_that_disagree_fail_clearly: different seeds, or data pre-sharded by rank, raise ValueError on
+  every worker at construction.
 """
 
 import mp
@@ -126,9 +128,23 @@ def fit_ssgd_schedule():
     write("fit", record.records)
 
 
+def workers_that_disagree_fail_clearly():
+    x, y = data()  # below: different seeds; data pre-sharded by rank (as many samples, other contents)
+    for wrong in (lambda: kungfu.data.AdaptiveDataset((x, y), 10, seed=kungfu.rank()),
+                  lambda: kungfu.data.AdaptiveDataset(x[:100][kungfu.rank()::kungfu.size()], kungfu.size())):
+        try:
+            wrong()
+        except ValueError as e:
+            if "the same on every worker" not in str(e):
+                raise
+        else:
+            raise AssertionError("workers with different data or settings were not stopped")
+
+
 def main():
     kungfu.init()
-    sys.exit(1 if mp.run_checks([custom_loop_schedule, fit_ssgd_schedule], kungfu.rank()) else 0)
+    checks = [custom_loop_schedule, fit_ssgd_schedule, workers_that_disagree_fail_clearly]
+    sys.exit(1 if mp.run_checks(checks, kungfu.rank()) else 0)
 
 
 if __name__ == "__main__":

@@ -176,6 +176,17 @@ def test_starting_a_new_pass_mid_epoch_warns(caplog):
     assert first == [0, 1, 2, 3] and ds.epoch == 2
 
 
+def test_an_older_iterator_stops_once_a_new_epoch_begins():
+    ds = kungfu.data.AdaptiveDataset(indexed(), global_batch_size=4, shuffle=False)
+    old = iter(ds.as_dataset())
+    next(old)
+    new = iter(ds.as_dataset())
+    assert next(new)[0].numpy().tolist() == [0, 1, 2, 3]  # epoch 1 begins
+    with pytest.raises(StopIteration):
+        next(old)  # rather than hand out epoch 0's samples while epoch 1 runs
+    assert next(new)[0].numpy().tolist() == [4, 5, 6, 7] and ds.samples_seen == 12
+
+
 def test_the_monitors_accept_the_local_batch_size_variable():
     import keras
 

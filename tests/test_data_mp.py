@@ -20,7 +20,7 @@ from mp import assert_checks_passed, launch
 pytestmark = pytest.mark.usefixtures("kungfu_library")
 
 WORKER = os.path.join(REPO, "tests", "data_worker.py")
-CHECKS = ["custom_loop_schedule", "fit_ssgd_schedule"]
+CHECKS = ["custom_loop_schedule", "fit_ssgd_schedule", "workers_that_disagree_fail_clearly"]
 
 
 def expected_batches(schedule, size):
