@@ -1,4 +1,4 @@
-// Kernels of KfGradientNoiseScale and KfResetMonitor.
+// Kernels of KfGradientNoiseScale, KfResetMonitor, KfSquaredNorm and KfConsecutiveSquaredNorms.
 //
 // State and threading: each monitor name owns one MonitorState in a process-wide registry. The
 // registry and every state are guarded by one mutex: the work under it is a few flops, and a monitor
@@ -8,6 +8,13 @@
 //
 // Arithmetic is in double; an estimate is accepted only when it is finite as a float, so the EMAs (a
 // convex combination of accepted estimates) always fit the float outputs.
+//
+// The squared norms are Eigen expressions evaluated on the op's CPU device: one fused, vectorised
+// pass per tensor (and per sum), split over the intra-op threads for large tensors, with no temporary.
+// Each tensor is summed in its accumulation type (float for half and bfloat16, else its own), and the
+// tensors' sums in double.
+#define EIGEN_USE_THREADS  // the squared norms run on the op's thread-pool device
+
 #include <cfloat>
 #include <cmath>
 #include <map>
@@ -18,6 +25,7 @@
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "unsupported/Eigen/CXX11/Tensor"
 
 namespace kungfu_tf {
 namespace {
@@ -62,6 +70,12 @@ double NoiseScale(const MonitorState& s) {
 
 float Scalar(OpKernelContext* ctx, int i) { return ctx->input(i).scalar<float>()(); }
 
+void SetFloat(OpKernelContext* ctx, int i, double value) {
+  Tensor* out = nullptr;
+  OP_REQUIRES_OK(ctx, ctx->allocate_output(i, TensorShape({}), &out));
+  out->scalar<float>()() = static_cast<float>(value);
+}
+
 class GradientNoiseScaleOp : public OpKernel {
  public:
   explicit GradientNoiseScaleOp(OpKernelConstruction* c) : OpKernel(c) {
@@ -93,18 +107,12 @@ class GradientNoiseScaleOp : public OpKernel {
       }
       s = state;
     }
-    SetOutput(ctx, 0, NoiseScale(s));
-    SetOutput(ctx, 1, s.g_sq);
-    SetOutput(ctx, 2, s.trace);
+    SetFloat(ctx, 0, NoiseScale(s));
+    SetFloat(ctx, 1, s.g_sq);
+    SetFloat(ctx, 2, s.trace);
   }
 
  private:
-  static void SetOutput(OpKernelContext* ctx, int i, double value) {
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(i, TensorShape({}), &out));
-    out->scalar<float>()() = static_cast<float>(value);
-  }
-
   std::string key_;  // the monitor's name in the registry
   float alpha_;      // EMA weight of a new estimate, in (0, 1]
 };
@@ -120,6 +128,96 @@ class ResetMonitorOp : public OpKernel {
   }
 };
 
+// ---- squared norms ----
+
+using CpuDevice = Eigen::ThreadPoolDevice;
+
+template <typename T, typename A>
+struct Types {
+  using Elem = T;  // the tensor's element type
+  using Acc = A;   // what its squares are summed in
+};
+
+// Calls fn(Types<...>{}) for the tensors' dtype; false for a dtype the ops do not register.
+template <typename Fn>
+bool ForDType(tensorflow::DataType dtype, Fn&& fn) {
+  switch (dtype) {
+    case tensorflow::DT_HALF: fn(Types<Eigen::half, float>{}); return true;
+    case tensorflow::DT_BFLOAT16: fn(Types<Eigen::bfloat16, float>{}); return true;
+    case tensorflow::DT_FLOAT: fn(Types<float, float>{}); return true;
+    case tensorflow::DT_DOUBLE: fn(Types<double, double>{}); return true;
+    default: return false;
+  }
+}
+
+template <typename Acc, typename Expr>
+double Sum(const CpuDevice& d, const Expr& e) {
+  Eigen::Tensor<Acc, 0, Eigen::RowMajor> s;
+  s.device(d) = e.sum();
+  return static_cast<double>(s());
+}
+
+absl::Status UnsupportedDType(const Tensor& t, int i) {
+  return absl::InvalidArgumentError(absl::StrCat("squared norm: input ", i, " has dtype ",
+                                                 tensorflow::DataTypeString(t.dtype()),
+                                                 "; cast it to float32 first"));
+}
+
+class SquaredNormOp : public OpKernel {
+ public:
+  explicit SquaredNormOp(OpKernelConstruction* c) : OpKernel(c) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const CpuDevice& d = ctx->eigen_cpu_device();
+    double total = 0;
+    for (int i = 0; i < ctx->num_inputs(); ++i) {
+      const Tensor& t = ctx->input(i);
+      const bool ok = ForDType(t.dtype(), [&](auto types) {
+        using T = typename decltype(types)::Elem;
+        using A = typename decltype(types)::Acc;
+        total += Sum<A>(d, t.flat<T>().template cast<A>().square());
+      });
+      OP_REQUIRES(ctx, ok, UnsupportedDType(t, i));
+    }
+    SetFloat(ctx, 0, total);
+  }
+};
+
+class ConsecutiveSquaredNormsOp : public OpKernel {
+ public:
+  explicit ConsecutiveSquaredNormsOp(OpKernelConstruction* c) : OpKernel(c) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const CpuDevice& d = ctx->eigen_cpu_device();
+    const int n = ctx->num_inputs() / 2;
+    double grad_sq = 0, mean_sq = 0, prev_sq = 0;
+    for (int i = 0; i < n; ++i) {
+      const Tensor& g = ctx->input(i);
+      const Tensor& p = ctx->input(n + i);
+      OP_REQUIRES(ctx, g.shape() == p.shape(),
+                  absl::InvalidArgumentError(absl::StrCat("consecutive squared norms: gradient ", i, " has shape ",
+                                                          g.shape().DebugString(), " but the previous one ",
+                                                          p.shape().DebugString(), "; keep one previous "
+                                                          "gradient per variable, of the variable's shape")));
+      const bool ok = ForDType(g.dtype(), [&](auto types) {
+        using T = typename decltype(types)::Elem;
+        using A = typename decltype(types)::Acc;
+        const auto gf = g.flat<T>().template cast<A>();
+        const auto pf = p.flat<T>().template cast<A>();
+        grad_sq += Sum<A>(d, gf.square());
+        mean_sq += Sum<A>(d, ((gf + pf) * A(0.5)).square());
+        prev_sq += Sum<A>(d, pf.square());
+      });
+      OP_REQUIRES(ctx, ok, UnsupportedDType(g, i));
+    }
+    SetFloat(ctx, 0, grad_sq);
+    SetFloat(ctx, 1, mean_sq);
+    SetFloat(ctx, 2, prev_sq);
+  }
+};
+
+REGISTER_KERNEL_BUILDER(Name("KfSquaredNorm").Device(tensorflow::DEVICE_CPU), SquaredNormOp);
+REGISTER_KERNEL_BUILDER(Name("KfConsecutiveSquaredNorms").Device(tensorflow::DEVICE_CPU), ConsecutiveSquaredNormsOp);
 REGISTER_KERNEL_BUILDER(Name("KfGradientNoiseScale").Device(tensorflow::DEVICE_CPU), GradientNoiseScaleOp);
 REGISTER_KERNEL_BUILDER(Name("KfResetMonitor").Device(tensorflow::DEVICE_CPU), ResetMonitorOp);
 

@@ -1,9 +1,13 @@
 // Op definitions of the training monitors. Kernels in monitor_kernels.cc; formulas and the handling of
 // non-finite and negative estimates in docs/monitoring.md ("Operators").
 //
-// These ops talk to no other worker: the caller feeds them norms it has already reduced. They keep
-// state (an EMA per monitor name, in a process-wide registry), so they are stateful: TF must neither
-// fold, dedupe nor prune them, and the state survives retracing because it lives outside the kernel.
+// These ops talk to no other worker: the caller feeds them norms it has already reduced. The GNS op
+// keeps state (an EMA per monitor name, in a process-wide registry), so it is stateful: TF must neither
+// fold, dedupe nor prune it, and the state survives retracing because it lives outside the kernel.
+// The squared-norm ops are pure functions of their inputs: one kernel sums the squares of a whole
+// list of tensors in one pass each, with no temporary tensor, which is what makes a monitored step
+// cheap (the same sum as tf.square + tf.reduce_sum per tensor would cost a temporary the size of the
+// model and a dozen ops).
 // The monitor name of KfGradientNoiseScale is an attr: a monitor has one fixed name, so the eager
 // kernel cache holds one kernel per monitor, not one per call.
 #include "absl/status/status.h"
@@ -46,6 +50,36 @@ ema = (1 - alpha) * ema + alpha * x; the first finite estimate initialises it. T
 process-wide registry under `key`. Non-finite inputs or estimates leave the EMAs unchanged; negative
 estimates are averaged in. gns is 0 ("no estimate yet") unless both EMAs are positive and the ratio is
 finite. g_sq and trace are the EMAs (0 before the first estimate). Needs b_big > b_small > 0.)doc");
+
+REGISTER_OP("KfSquaredNorm")
+    .Input("tensors: T")
+    .Output("sq_norm: float")
+    .Attr("T: list({half, bfloat16, float, double}) >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(The sum of squares of every element of every input, as one float scalar. Each tensor is
+summed in its own precision (float for half and bfloat16), the tensors' sums in double.)doc");
+
+REGISTER_OP("KfConsecutiveSquaredNorms")
+    .Input("grads: T")
+    .Input("prev_grads: T")
+    .Output("grad_sq: float")
+    .Output("mean_sq: float")
+    .Output("prev_sq: float")
+    .Attr("T: list({half, bfloat16, float, double}) >= 1")
+    .SetShapeFn([](InferenceContext* c) {
+      const int n = c->num_inputs() / 2;
+      for (int i = 0; i < n; ++i) {
+        ShapeHandle unused;
+        TF_RETURN_IF_ERROR(c->Merge(c->input(i), c->input(n + i), &unused));
+      }
+      for (int i = 0; i < 3; ++i) c->set_output(i, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(For one worker's gradient noise scale from consecutive steps: |g|^2, |(g + p)/2|^2 and |p|^2
+over the lists grads (g) and prev_grads (p), pairwise, which must have equal shapes.)doc");
 
 REGISTER_OP("KfResetMonitor")
     .Input("key: string")

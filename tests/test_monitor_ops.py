@@ -173,6 +173,32 @@ class HelpersTest(tf.test.TestCase):
         self.assertAllClose(tf.function(monitor.squared_norm)([tf.constant(a), sparse]), want - 4.0)
         self.assertAllClose(monitor.squared_norm([]), 0.0)
 
+    def test_squared_norm_is_one_op_in_every_float_dtype(self):
+        rng = np.random.default_rng(4)
+        big = rng.standard_normal(1_000_003)  # large enough to be split over threads
+        parts = [big.astype(np.float32), rng.standard_normal((3, 5)), np.array([0.5, -2.0]), np.zeros((0, 4))]
+        dtypes = [tf.float32, tf.float64, tf.bfloat16, tf.float16]
+        tensors = [tf.constant(a, d) for a, d in zip(parts, dtypes)]
+        want = sum(np.sum(t.numpy().astype(np.float64) ** 2) for t in tensors)
+        self.assertAllClose(monitor.squared_norm(tensors), want, rtol=1e-6)
+        self.assertAllClose(monitor.squared_norm([tf.constant([3, 4], tf.int32)]), 25.0)  # cast to float32
+        graph = tf.function(monitor.squared_norm).get_concrete_function(tensors).graph
+        self.assertEqual([op.type for op in graph.get_operations()].count("KfSquaredNorm"), 1)
+
+    def test_consecutive_sq_norms_of_dense_pairs(self):
+        rng = np.random.default_rng(5)
+        g = [rng.standard_normal((40, 30)).astype(np.float32), rng.standard_normal(7)]
+        p = [rng.standard_normal((40, 30)).astype(np.float32), rng.standard_normal(7)]
+        small, big, prev = monitor.consecutive_sq_norms([tf.constant(g[0]), tf.constant(g[1])],
+                                                        [tf.constant(p[0]), tf.constant(p[1])], previous=True)
+        self.assertAllClose(small, sum(np.sum(a.astype(np.float64) ** 2) for a in g), rtol=1e-6)
+        self.assertAllClose(big, sum(np.sum(((a + b) / 2.0) ** 2) for a, b in zip(g, p)), rtol=1e-6)
+        self.assertAllClose(prev, sum(np.sum(b.astype(np.float64) ** 2) for b in p), rtol=1e-6)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "gradient 0 has shape .* previous one"):
+            monitor.consecutive_sq_norms([tf.constant(g[0])], [tf.constant(p[0][:, :2])])
+        with self.assertRaisesRegex(ValueError, "Dimension"):  # traced: the shape function catches it
+            tf.function(monitor.consecutive_sq_norms)([tf.constant(g[0])], [tf.constant(p[0][:, :2])])
+
     def test_consecutive_sq_norms(self):
         g = [tf.constant([1.0, 2.0]), tf.IndexedSlices(tf.constant([[1.0]]), tf.constant([1]), tf.constant([3, 1]))]
         p = [tf.constant([3.0, 0.0]), tf.IndexedSlices(tf.constant([[3.0]]), tf.constant([1]), tf.constant([3, 1]))]

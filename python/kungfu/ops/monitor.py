@@ -78,20 +78,28 @@ def _values(g):
     return tf.convert_to_tensor(g)
 
 
+_NORM_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)  # KfSquaredNorm's; others go as float32
+
+
+def _normable(t):
+    return t if t.dtype in _NORM_DTYPES else tf.cast(t, tf.float32)
+
+
 @_no_autograph
 def squared_norm(tensors):
     """sum of squares of every element of a list of tensors or tf.IndexedSlices, as a float32 scalar.
 
     None entries (variables without a gradient) are skipped. IndexedSlices count as the dense tensor
-    they stand for: rows with repeated indices are summed before squaring.
+    they stand for: rows with repeated indices are summed before squaring. One op (KfSquaredNorm) sums
+    the whole list, one pass over each tensor with no temporary; each tensor in its own precision
+    (float for half and bfloat16), the total in double.
     """
     if isinstance(tensors, (tf.Tensor, tf.IndexedSlices, tf.Variable)):
         tensors = [tensors]
-    total = tf.constant(0.0, tf.float32)
-    for t in tensors:
-        if t is not None:
-            total += tf.reduce_sum(tf.square(tf.cast(_values(t), tf.float32)))
-    return total
+    parts = [_normable(_values(t)) for t in tensors if t is not None]
+    if not parts:
+        return tf.constant(0.0, tf.float32)
+    return _lib.op_module().kf_squared_norm(parts)
 
 
 def _half_sum(a, b):
@@ -103,8 +111,9 @@ def _half_sum(a, b):
 
 
 @_no_autograph
-def consecutive_sq_norms(grads, prev_grads):
-    """(|g_t|^2, |(g_t + g_{t-1}) / 2|^2) for a single worker's gradient noise scale.
+def consecutive_sq_norms(grads, prev_grads, previous=False):
+    """(|g_t|^2, |(g_t + g_{t-1}) / 2|^2) for a single worker's gradient noise scale; with
+    previous=True also |g_{t-1}|^2 (for the variance of the pair).
 
     With one worker there is no second batch size, so the mean of this step's and the previous step's
     gradients stands in for the big batch: feed these to gradient_noise_scale with local_batch=B and
@@ -112,12 +121,21 @@ def consecutive_sq_norms(grads, prev_grads):
     different weights (with d the change of the true gradient, tr Sigma is off by 2B (G_t.d - |d|^2/4):
     low while the gradient shrinks along its direction, high when it turns), and correlated noise counts
     as signal (tr Sigma low). See docs/monitoring.md. The caller keeps prev_grads (e.g. in variables it
-    assigns after each step).
+    assigns after each step). Dense pairs of equal shape are summed by one op
+    (KfConsecutiveSquaredNorms) in one pass; pairs with an IndexedSlices in them go through squared_norm.
     """
     if len(grads) != len(prev_grads):
         raise ValueError(f"consecutive_sq_norms: {len(grads)} gradients but {len(prev_grads)} previous ones")
     pairs = [(g, p) for g, p in zip(grads, prev_grads) if g is not None and p is not None]
-    return squared_norm([g for g, _ in pairs]), squared_norm([_half_sum(g, p) for g, p in pairs])
+    dense = [(g, p) for g, p in pairs if not isinstance(g, tf.IndexedSlices) and not isinstance(p, tf.IndexedSlices)]
+    sparse = [(g, p) for g, p in pairs if isinstance(g, tf.IndexedSlices) or isinstance(p, tf.IndexedSlices)]
+    totals = [squared_norm([g for g, _ in sparse]), squared_norm([_half_sum(g, p) for g, p in sparse]),
+              squared_norm([p for _, p in sparse])]
+    if dense:
+        gs = [_normable(tf.convert_to_tensor(g)) for g, _ in dense]
+        ps = [tf.cast(tf.convert_to_tensor(p), g.dtype) for g, (_, p) in zip(gs, dense)]
+        totals = [t + n for t, n in zip(totals, _lib.op_module().kf_consecutive_squared_norms(gs, ps))]
+    return tuple(totals) if previous else tuple(totals[:2])
 
 
 @_no_autograph
