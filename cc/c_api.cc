@@ -2,6 +2,7 @@
 // thread-safe. A shared_ptr lets a kernel that holds the engine finish even if finalize runs.
 #include "cc/c_api.h"
 
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -98,6 +99,16 @@ void kungfu_reset_stats(void) {
   auto e = kungfu::GlobalEngine();
   if (e) e->ResetStats();
 }
+
+char* kungfu_collective_stats(int reset) {
+  auto e = kungfu::GlobalEngine();
+  const std::string text = e ? kungfu::CollectiveStatsJson(e->collective_stats(reset != 0)) : "{}";
+  char* out = static_cast<char*>(std::malloc(text.size() + 1));
+  if (out != nullptr) std::memcpy(out, text.c_str(), text.size() + 1);
+  return out;
+}
+
+void kungfu_free(void* p) { std::free(p); }
 
 int kungfu_all_reduce(const void* in, void* out, int64_t count, int dtype, int op, const char* name, char* err,
                       int err_len) {

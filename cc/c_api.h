@@ -24,7 +24,13 @@ int kungfu_finalize(void);
 /* Fills up to n counters in EngineStats order: started, completed, failed, in_flight, max_in_flight,
  * bytes_sent, bytes_received, refused_handshakes. Returns how many were written. */
 int kungfu_stats(int64_t* out, int n);
+/* Zeroes the resettable counters of kungfu_stats and forgets the per-collective ones. */
 void kungfu_reset_stats(void);
+/* The per-collective counters (cc/collective_stats.h) as JSON text, {"name": {"calls": ..., ...}, ...},
+ * in a buffer from malloc that the caller frees with kungfu_free; "{}" without an engine. reset != 0
+ * empties the counters in the same step, so no call is counted twice or lost between two reads. */
+char* kungfu_collective_stats(int reset);
+void kungfu_free(void* p);
 /* A blocking float32/int allreduce for tests and tools: dtype and op as in cc/dtype.h wire values. */
 int kungfu_all_reduce(const void* in, void* out, int64_t count, int dtype, int op, const char* name, char* err,
                       int err_len);

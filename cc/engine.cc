@@ -150,6 +150,7 @@ void Engine::Impl::Submit(std::unique_ptr<Op> op) {
     op->done()(Cancelled(Describe(*op) + ": the engine is shutting down"));
     return;
   }
+  op->submitted = Clock::now();  // the start of the latency in collective_stats()
   auto shared = std::make_shared<std::unique_ptr<Op>>(std::move(op));
   loop_.Post([this, shared] { StartOp(std::move(*shared)); });
 }
@@ -174,6 +175,7 @@ void Engine::Impl::ResetStats() {
   stats_.failed = 0;
   stats_.bytes_sent = 0;
   stats_.bytes_received = 0;
+  collective_stats_.Snapshot(true);
 }
 
 // ---- public API ----
@@ -196,6 +198,7 @@ int Engine::size() const { return impl_->size(); }
 const EngineConfig& Engine::config() const { return impl_->config(); }
 EngineStats Engine::stats() const { return impl_->stats(); }
 void Engine::ResetStats() { impl_->ResetStats(); }
+std::vector<NamedCollectiveStats> Engine::collective_stats(bool reset) { return impl_->CollectiveStats(reset); }
 
 void Engine::AllReduce(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name,
                        DoneCallback done, uint32_t shape_sig) {

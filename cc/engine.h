@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "cc/collective_stats.h"
 #include "cc/dtype.h"
 #include "cc/peer.h"
 #include "cc/status.h"
@@ -101,7 +102,10 @@ class Engine {
                RequestCallback done);
 
   EngineStats stats() const;
+  // Zeroes the resettable counters of stats() and forgets the per-collective ones.
   void ResetStats();
+  // Per-collective counters by name (cc/collective_stats.h), sorted; reset empties them at once.
+  std::vector<NamedCollectiveStats> collective_stats(bool reset = false);
 
   // Synchronous helpers for tests and the C API: run one collective and wait for it.
   Status AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name);

@@ -2,7 +2,8 @@
 //  - loop_ (one thread) owns conns_, ops_, pending_, next_gen_ and dead_: touched only on it.
 //  - acceptor_ (one thread) accepts and authenticates incoming connections, then posts them to the loop.
 //  - API calls from any thread build an Op and post it; callbacks run on the loop thread.
-//  - stats_ are atomics, readable from any thread.
+//  - stats_ are atomics, readable from any thread; collective_stats_ has its own mutex (the loop thread
+//    records each finished op, any thread reads).
 //  - store_ (the peer-to-peer variable store) is thread-safe; p2p_ (requests in flight, serving) is
 //    loop-thread state like ops_. Their glue to the engine is in cc/p2p/engine_p2p.cc.
 #pragma once
@@ -39,6 +40,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   void Submit(std::unique_ptr<Op> op);
   EngineStats stats() const;
   void ResetStats();
+  std::vector<NamedCollectiveStats> CollectiveStats(bool reset) { return collective_stats_.Snapshot(reset); }
 
   // OpContext.
   int rank() const override { return config_.rank; }
@@ -124,6 +126,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
     std::atomic<int64_t> started{0}, completed{0}, failed{0}, in_flight{0}, max_in_flight{0};
     std::atomic<int64_t> bytes_sent{0}, bytes_received{0}, refused{0};
   } stats_;
+  CollectiveStatsTable collective_stats_;
 };
 
 }  // namespace kungfu

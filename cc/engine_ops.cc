@@ -2,6 +2,7 @@
 #include <sys/epoll.h>
 
 #include <algorithm>
+#include <chrono>
 
 #include "cc/engine_impl.h"
 #include "cc/log.h"
@@ -66,6 +67,7 @@ void Engine::Impl::Dispatch(ActiveOp& a, int src, const FrameHeader& h, const ch
   Status s;
   switch (h.kind) {
     case FrameKind::kData:
+      op->bytes_received += static_cast<int64_t>(h.payload_bytes);
       s = op->OnData(this, src, h, data);
       break;
     case FrameKind::kAck:
@@ -121,6 +123,8 @@ void Engine::Impl::Finish(std::map<Key, ActiveOp>::iterator it, const Status& s)
     }
   }
   --stats_.in_flight;
+  const std::chrono::duration<double, std::milli> latency = Clock::now() - op->submitted;
+  collective_stats_.Record(op->name(), s.ok(), op->bytes_sent, op->bytes_received, latency.count());
   if (s.ok()) {
     ++stats_.completed;
     op->done()(s);
@@ -158,6 +162,7 @@ void Engine::Impl::Send(Op* op, int dst, FrameHeader h, const void* data) {
   h.shape_sig = op->shape_sig;
   out_[dst]->Enqueue(h, op->name(), data, op->id);
   ++op->outstanding_sends;
+  op->bytes_sent += static_cast<int64_t>(h.payload_bytes);
   stats_.bytes_sent += static_cast<int64_t>(h.payload_bytes);
   // Write now rather than at the end of the loop iteration: a ring forwards each piece while the
   // next one is still arriving. Completions wait in sent_ until we are outside the op's code.

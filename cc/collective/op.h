@@ -6,6 +6,7 @@
 // ReceivedAll(); the engine finishes it once that holds and all its sends have drained.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <string>
 
@@ -54,6 +55,9 @@ class Op {
   uint64_t generation = 0;
   int64_t outstanding_sends = 0;
   uint32_t shape_sig = 0;  // sent in every frame and compared with the peers' (0: not checked)
+  std::chrono::steady_clock::time_point submitted;  // when the API call handed it to the engine
+  int64_t bytes_sent = 0;      // payload bytes of its frames queued to peers
+  int64_t bytes_received = 0;  // payload bytes of its DATA frames dispatched to it
 
  private:
   std::string name_;

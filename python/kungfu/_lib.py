@@ -60,6 +60,10 @@ def _declare(c):
     c.kungfu_stats.restype = ctypes.c_int
     c.kungfu_reset_stats.argtypes = []
     c.kungfu_reset_stats.restype = None
+    c.kungfu_collective_stats.argtypes = [ctypes.c_int]
+    c.kungfu_collective_stats.restype = ctypes.c_void_p  # malloc'ed text: read, then kungfu_free
+    c.kungfu_free.argtypes = [ctypes.c_void_p]
+    c.kungfu_free.restype = None
     c.kungfu_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                                     ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
     c.kungfu_all_reduce.restype = ctypes.c_int
@@ -209,6 +213,23 @@ def engine_stats():
 
 
 def reset_engine_stats():
-    """Zeroes the resettable counters, max_in_flight included."""
+    """Zeroes the resettable counters, max_in_flight included, and forgets the per-collective ones."""
     require_init("kungfu._lib.reset_engine_stats()")
     _library.c.kungfu_reset_stats()
+
+
+def collective_stats(reset=False):
+    """The engine's per-collective counters (cc/collective_stats.h), {name: {"calls", "failed",
+    "bytes_sent", "bytes_received", "total_ms", "last_ms", "max_ms"}}; reset empties them in the same
+    step. kungfu.monitor.collective_stats() is the public reading."""
+    import json
+
+    require_init("kungfu.monitor.collective_stats()")
+    p = _library.c.kungfu_collective_stats(1 if reset else 0)
+    if not p:
+        raise MemoryError("kungfu.monitor.collective_stats(): the library could not allocate the result")
+    try:
+        text = ctypes.string_at(p)
+    finally:
+        _library.c.kungfu_free(p)
+    return json.loads(text.decode("utf-8", errors="replace"))
