@@ -12,7 +12,10 @@ model on its own random data with SynchronousSGDOptimizer(monitor=[...]):
 - fit_with_monitor_callback: model.fit with MonitorCallback logs gns and grad_variance per epoch, the
   same on every worker;
 - interval_runs_every_k_steps_without_retrace: with monitor_interval=3 the monitors change only at
-  steps 0, 3, 6, ..., a batch size change included, and the step is traced once.
+  steps 0, 3, 6, ..., a batch size change included, and the step is traced once;
+- collective_stats_count_each_collective: kungfu.monitor.collective_stats() counts each collective of
+  the step (the wrapper's gradient bucket among them) once per step, with the bytes and latency of
+  each, and a named all-reduce under its name; the bytes sent by all workers equal those received.
 """
 
 import mp
@@ -145,6 +148,32 @@ def interval_runs_every_k_steps_without_retrace():
         raise AssertionError(f"the monitors ran {updates} times in {STEPS} steps with interval {k}")
     if len(traces) != first:
         raise AssertionError(f"the step was traced {len(traces) - first} more times after its first call")
+
+
+@CHECKS.append
+def collective_stats_count_each_collective():
+    opt, step, batches, _ = setup()
+    kungfu.monitor.collective_stats(reset=True)
+    for x, y in batches:
+        step(x, y)
+    for _ in range(2):
+        kungfu.all_reduce(tf.ones([1000]), name="stats/named")
+    stats = kungfu.monitor.collective_stats()
+    named = stats.get("stats/named", {})
+    if named.get("calls") != 2 or not named["bytes_received"] >= 2 * 4000 or not named["mean_ms"] > 0:
+        raise AssertionError(f"stats/named: {named}")
+    # Two group all-reduces per step: the test's own and the wrapper's bucket (gradients + the squared norm).
+    per_step = {k: v for k, v in stats.items() if v["calls"] == STEPS}
+    grad_bytes = 4 * sum(int(np.prod(v.shape)) for v in opt._trainable_variables)
+    if len(per_step) != 2:
+        raise AssertionError(f"expected 2 collectives run once per step, got {stats}")
+    for key, v in per_step.items():  # every algorithm delivers at least the whole tensor to each worker
+        if v["failed"] or not v["bytes_received"] >= STEPS * grad_bytes or not 0 < v["last_ms"] <= v["max_ms"]:
+            raise AssertionError(f"{key}: {v} (gradients: {grad_bytes} bytes)")
+    moved = np.array([sum(v["bytes_sent"] for v in stats.values()), sum(v["bytes_received"] for v in stats.values())])
+    totals = kungfu.all_gather(moved.reshape(1, 2)).numpy().sum(axis=0)
+    if totals[0] != totals[1]:
+        raise AssertionError(f"bytes sent by all workers {totals[0]} != received {totals[1]}")
 
 
 def main():

@@ -1,6 +1,6 @@
 """The optimizer wrapper's monitors on one process (a cluster of size 1): argument errors, the
-values latest() reports, the interval (no retrace), and MonitorCallback. The gradient monitors need
-2 or more workers; their values across real workers are checked in tests/monitor_worker.py.
+values latest() reports, the interval (no retrace), and MonitorCallback. The gradient monitors' values
+on one worker are checked in test_monitor_one_worker.py, across real workers in tests/monitor_worker.py.
 """
 
 import os
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("kungfu_library")
 
 WORKER = os.path.join(REPO, "tests", "monitor_worker.py")
 MP_CHECKS = ["gns_matches_reference", "workers_agree", "fit_with_monitor_callback",
-             "interval_runs_every_k_steps_without_retrace"]
+             "interval_runs_every_k_steps_without_retrace", "collective_stats_count_each_collective"]
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -73,8 +73,9 @@ def test_size_one_reports_finite_values_and_throughput():
     assert set(values) == {"gns", "grad_variance", "snr", "samples_per_sec", "step_time"}
     assert values == kungfu.monitor.latest(opt) == kungfu.monitor.latest(opt.name)
     assert all(np.isfinite(v) for v in values.values()), values
-    # One worker: no second batch size, so the gradient monitors stay 0 ("no estimate").
-    assert values["gns"] == values["grad_variance"] == values["snr"] == 0.0
+    # One worker: consecutive steps' gradients stand for the two batch sizes (test_monitor_one_worker.py).
+    assert values["gns"] > 0 and values["grad_variance"] > 0
+    assert values["snr"] == pytest.approx(16 / values["gns"], rel=1e-4)
     assert values["step_time"] > 0
     assert values["samples_per_sec"] == pytest.approx(16 / values["step_time"], rel=1e-5)
     opt.local_batch_size = 32  # assigns the user's variable
@@ -130,6 +131,17 @@ def test_monitor_callback_puts_values_into_history(tmp_path):
     tags = [(v.tag, e.step) for path in events
             for e in tf.compat.v1.train.summary_iterator(path) for v in e.summary.value]
     assert ("kungfu/gns", 0) in tags and ("kungfu/step_time", 1) in tags, tags
+
+
+def test_collective_stats_on_one_worker():
+    kungfu.monitor.collective_stats(reset=True)
+    for _ in range(3):
+        kungfu.all_reduce(tf.ones([10]), name="one/worker")
+    stats = kungfu.monitor.collective_stats(reset=True)["one/worker"]
+    assert stats["calls"] == 3 and stats["failed"] == 0
+    assert stats["bytes_sent"] == stats["bytes_received"] == 0  # nothing to move with one worker
+    assert 0 < stats["last_ms"] <= stats["max_ms"] and stats["mean_ms"] == pytest.approx(stats["total_ms"] / 3)
+    assert "one/worker" not in kungfu.monitor.collective_stats()  # the reset emptied the table
 
 
 @pytest.mark.parametrize("np_", [2, 4])

@@ -61,7 +61,7 @@ def main():
         results[config['key']] = dict(epochs=epochs)
         if config['interval']:
             results[config['key']].update(monitors=kungfu.monitor.latest(opt),
-                                          updates=int(opt._kungfu.monitors.updates.numpy()))
+                                          updates=kungfu.monitor.update_count(opt))
     common.write_results(plan, rank, results)
 
 

@@ -16,6 +16,15 @@ measured in the graph at every step, with tf.timestamp(), and is this worker's o
 docs/monitoring.md ("Using monitors"). kungfu.rewrite(fn, monitors=[...]) uses the same Monitors from
 its monitor pass (kungfu/_rewrite/monitors.py), counting the step's calls instead of iterations.
 
+One worker has no second batch size: update_one_worker() pairs this step's gradients with the previous
+step's (a copy kept in variables, made on the step before each due step), the pair standing for the big
+batch. The estimate is biased (docs/monitoring.md, "One worker").
+
+Cost: each squared norm is one op over the whole gradient list (KfSquaredNorm: one pass, no temporary);
+with monitor_interval=1 no tf.cond is built for the interval; the wrapper runs update() after the
+optimizer's own update, so the second norm overlaps the apply instead of delaying it.
+collective_stats() reads the engine's per-collective counters (bytes, calls, latency).
+
 Threading: the registry of monitors is guarded by a lock; a Monitors object is written by the
 training step's ops and read by latest(), which reads whole variables (each value is consistent, the
 set of values may straddle a step).
@@ -33,6 +42,8 @@ from .ops import monitor as _ops
 
 MONITORS = ("gns", "variance", "snr")
 KEYS = ("gns", "grad_variance", "snr", "samples_per_sec", "step_time")
+DEFAULT_ALPHA = 0.1  # the EMA weight of a new GNS estimate (monitor_alpha=)
+_NONE = -2  # _Previous.step before any copy: never equal to a step - 1
 _registry = []  # weakref.ref to Monitors, in creation order
 _lock = threading.Lock()
 _ids = itertools.count()
@@ -44,8 +55,15 @@ def _check_batch(n):
     return float(n)
 
 
-def check_arguments(monitor, interval, local_batch_size):
+def check_alpha(alpha):
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 < alpha <= 1:
+        raise ValueError(f"monitor_alpha must be a number in (0, 1] (the EMA weight of a new estimate), got {alpha!r}")
+    return float(alpha)
+
+
+def check_arguments(monitor, interval, local_batch_size, alpha=DEFAULT_ALPHA):
     """Validates the wrapper's monitor arguments; returns (names, interval). Raises ValueError."""
+    check_alpha(alpha)
     if monitor is None:
         names = ()
     else:
@@ -64,15 +82,52 @@ def check_arguments(monitor, interval, local_batch_size):
     return names, interval
 
 
+def _when(cond, fn):
+    """fn() when cond is the Python True (no tf.cond to build), else tf.cond(cond, fn, False)."""
+    if cond is True:
+        return fn()
+    return tf.cond(cond, fn, lambda: tf.constant(False))
+
+
+def _dense(g, variable):
+    """g as a dense tensor of variable's shape (an IndexedSlices' rows summed into place)."""
+    if isinstance(g, tf.IndexedSlices):
+        rows = variable.shape[0] if variable.shape[0] is not None else tf.shape(variable)[0]
+        return tf.math.unsorted_segment_sum(g.values, g.indices, rows)
+    return tf.convert_to_tensor(g)
+
+
+class _Previous:
+    """One worker's copy of the gradients of a step, for the consecutive-step estimate of the next."""
+
+    def __init__(self):
+        with tf.init_scope(), tf.device("CPU:0"):
+            self.step = tf.Variable(_NONE, trainable=False, dtype=tf.int64, name="kungfu_monitor_prev_step")
+            self.batch = tf.Variable(0.0, trainable=False, dtype=tf.float32, name="kungfu_monitor_prev_batch")
+        # (id(variable), dtype) -> (variable, the tf.Variable holding its gradient); the variable is kept
+        # so that its id stays its own.
+        self._slots = {}
+
+    def slot(self, variable, dtype):
+        key = (id(variable), dtype)
+        if key not in self._slots:
+            with tf.init_scope(), tf.device("CPU:0"):
+                self._slots[key] = (variable, tf.Variable(tf.zeros(variable.shape, dtype), trainable=False,
+                                                          name="kungfu_monitor_prev_grad"))
+        return self._slots[key][1]
+
+
 class Monitors:
     """The monitor state of one wrapped optimizer: its variables and the graph code that assigns them."""
 
-    def __init__(self, names, interval, local_batch_size, name):
+    def __init__(self, names, interval, local_batch_size, name, alpha=DEFAULT_ALPHA):
         self.names = frozenset(names)  # requested: a subset of MONITORS
         self.interval = interval  # k: the monitors run when iterations % k == 0
         self.name = name  # the optimizer's name, for latest(name)
+        self.alpha = check_alpha(alpha)  # EMA weight of a new GNS estimate
         self.key = f"kungfu/gns/{name}/{next(_ids)}"  # the GNS op's EMA key, unique per optimizer
         self.has_batch = local_batch_size is not None
+        self._previous = None  # _Previous, made at the first one-worker step
         with tf.init_scope(), tf.device("CPU:0"):  # may be built inside a tf.function
             if isinstance(local_batch_size, tf.Variable):
                 self.batch = local_batch_size  # the user's own variable: follows their changes
@@ -86,7 +141,7 @@ class Monitors:
             self.gns, self.g_sq, self.trace, self.snr, self.grad_variance = (var(0.0) for _ in range(5))
             self.step_time, self.samples_per_sec = var(0.0), var(0.0)
             self.last_time = var(0.0, tf.float64)  # tf.timestamp() of the previous apply(); 0: none yet
-            self.updates = var(0, tf.int64)  # how many times the gradient monitors ran
+            self.updates = var(0, tf.int64)  # how many times the gradient monitors ran (update_count())
         with _lock:
             _registry.append(weakref.ref(self))
 
@@ -94,6 +149,11 @@ class Monitors:
     def reduces(self):
         """Whether the S-SGD step must carry the local squared norm (some gradient monitor is on)."""
         return bool(self.names)
+
+    def update_count(self):
+        """How many steps have computed the gradient monitors so far (on one worker: the due steps that
+        had the previous step's gradients)."""
+        return int(self.updates.numpy())
 
     def set_local_batch_size(self, n):
         return self.batch.assign(tf.cast(_check_batch(n), self.batch.dtype))
@@ -115,31 +175,79 @@ class Monitors:
         self.last_time.assign(now)
 
     def due(self, iterations):
+        """Whether the gradient monitors run at this step: the Python True with interval 1 (so no
+        tf.cond is built), else a bool tensor."""
+        if self.interval == 1:
+            return True
         return tf.equal(tf.math.floormod(tf.cast(iterations, tf.int64), self.interval), 0)
 
     def local_sq_norm(self, grads, due):
         """This worker's squared gradient norm on due steps, else 0 (it is all-reduced every step)."""
+        if due is True:
+            return _ops.squared_norm(grads)
         return tf.cond(due, lambda: _ops.squared_norm(grads), lambda: tf.constant(0.0, tf.float32))
 
     def update(self, due, mean_local_sq, reduced_grads):
         """On due steps, the monitors from the workers' mean squared norm and the all-reduced gradients."""
 
         def run():
-            global_sq = _ops.squared_norm(reduced_grads)
-            if "variance" in self.names:
-                self.grad_variance.assign(_ops.gradient_variance(mean_local_sq, global_sq))
-            if {"gns", "snr"} & self.names:
-                b = tf.cast(self.batch.read_value(), tf.float32)
-                b_big = tf.cast(_lib.size(), tf.float32) * b
-                r = _ops.gradient_noise_scale(mean_local_sq, global_sq, b, b_big, self.key)
-                self.gns.assign(r["gns"])
-                self.g_sq.assign(r["g_sq"])
-                self.trace.assign(r["trace"])
-                self.snr.assign(_ops.snr(r["g_sq"], r["trace"], b_big))
-            self.updates.assign_add(1)
+            b = tf.cast(self.batch.read_value(), tf.float32)
+            b_big = tf.cast(_lib.size(), tf.float32) * b
+            self._record(mean_local_sq, _ops.squared_norm(reduced_grads), mean_local_sq, b, b_big, b_big)
             return tf.constant(True)
 
-        return tf.cond(due, run, lambda: tf.constant(False))
+        return _when(due, run)
+
+    def update_one_worker(self, grads, variables, step):
+        """One worker: on due steps, the monitors from this step's gradients g_t (batch b) and the
+        previous step's g_{t-1}, their mean standing for a batch of 2b; the step before each due step
+        keeps a copy of its gradients. A due step without the previous step's copy (the first, or the
+        batch size changed) leaves the values as they were. Biased: see docs/monitoring.md."""
+        if not self.reduces:
+            return
+        if self._previous is None:
+            self._previous = _Previous()
+        prev = self._previous
+        pairs = [(_dense(g, v), v) for g, v in zip(grads, variables) if g is not None]
+        slots = [prev.slot(v, g.dtype) for g, v in pairs]
+        grads = [g for g, _ in pairs]
+        step = tf.cast(step, tf.int64)
+        b = tf.cast(self.batch.read_value(), tf.float32)
+
+        def run():
+            valid = tf.equal(prev.step.read_value(), step - 1) & tf.equal(prev.batch.read_value(), b)
+            small, big, prev_sq = _ops.consecutive_sq_norms(grads, [s.read_value() for s in slots], previous=True)
+            self._record(small, big, (small + prev_sq) / 2, b, 2 * b, b, valid)
+            return tf.constant(True)
+
+        _when(self.due(step), run)
+
+        def keep():  # after run() in program order, so its reads see the old copy (automatic control deps)
+            for s, g in zip(slots, grads):
+                s.assign(g)
+            prev.step.assign(step)
+            prev.batch.assign(b)
+            return tf.constant(True)
+
+        _when(self.due(step + 1), keep)
+
+    def _record(self, small_sq, big_sq, spread_sq, b, b_big, snr_batch, valid=True):
+        """Assigns the monitors from one step's squared norms: small_sq of a gradient at batch b, big_sq
+        of the mean gradient at b_big, spread_sq the mean squared norm of the gradients averaged (for the
+        variance), snr_batch the batch of the applied gradient. valid (a bool tensor) false: the EMAs,
+        gns and grad_variance stay as they were; snr is recomputed from the EMAs for snr_batch."""
+        if "variance" in self.names:
+            v = _ops.gradient_variance(spread_sq, big_sq)
+            self.grad_variance.assign(v if valid is True else tf.where(valid, v, self.grad_variance.read_value()))
+        if {"gns", "snr"} & self.names:
+            if valid is not True:  # a NaN norm leaves the EMAs as they were
+                small_sq = tf.where(valid, small_sq, tf.constant(float("nan"), tf.float32))
+            r = _ops.gradient_noise_scale(small_sq, big_sq, b, b_big, self.key, self.alpha)
+            self.gns.assign(r["gns"])
+            self.g_sq.assign(r["g_sq"])
+            self.trace.assign(r["trace"])
+            self.snr.assign(_ops.snr(r["g_sq"], r["trace"], snr_batch))
+        self.updates.assign_add(1 if valid is True else tf.cast(valid, tf.int64))
 
     def values(self):
         """The latest values as Python floats; None for what is not monitored (see latest())."""
@@ -193,3 +301,32 @@ def latest(optimizer=None):
     and samples_per_sec are this worker's measurement.
     """
     return monitors_of(optimizer).values()
+
+
+def update_count(optimizer=None):
+    """How many steps have computed the gradient monitors of optimizer (chosen as for latest()) so far:
+    on 2 or more workers the due S-SGD steps, on one worker the due steps that had the previous step's
+    gradients."""
+    return monitors_of(optimizer).update_count()
+
+
+def collective_stats(reset=False):
+    """This worker's counters per collective, keyed by the collective's name (its key: e.g. a gradient
+    bucket's "train_function/kungfu/group_all_reduce", a kungfu.rewrite step's
+    "kungfu.rewrite/train_step/ssgd/0", or the name= given to kungfu.all_reduce), counted by the
+    engine since kungfu.init() or the last reset:
+
+        {"calls": collectives finished OK, "failed": finished with an error,
+         "bytes_sent", "bytes_received": payload bytes this worker moved for them,
+         "mean_ms", "last_ms", "max_ms": completion latency (from the op handing its tensor to the
+         engine to the engine finishing it: queueing, waiting for the peers, moving the data) of the
+         calls that finished OK, in milliseconds; mean_ms is 0 before the first}
+
+    reset=True also empties the counters, in the same step (no call is counted twice or lost), e.g. to
+    read them per epoch. The table holds up to 1024 names; later names are counted together under
+    "(other)". Needs kungfu.init(). See docs/monitoring.md ("Per-collective bytes and latency").
+    """
+    stats = _lib.collective_stats(reset)
+    for s in stats.values():
+        s["mean_ms"] = s["total_ms"] / s["calls"] if s["calls"] else 0.0
+    return stats

@@ -7,7 +7,9 @@ It computes what the optimizer wrappers compute, with the same graph code (kungf
 on due steps (every monitor_interval-th call of the step, a tf.cond on a step counter, so the interval
 costs no retrace) this worker's squared gradient norm rides in the S-SGD pass's last all-reduce bucket
 (no extra collective), and the workers' mean squared norm and the squared norm of the reduced gradients
-give the estimates. Throughput (step_time, samples_per_sec) is measured every step.
+give the estimates; the apply does not wait for them. On one worker (no second batch size) the estimates
+pair each due step's gradients with the previous step's (Monitors.update_one_worker). Throughput
+(step_time, samples_per_sec) is measured every step.
 
 State: one Monitors object per kungfu.rewrite call, created and registered with kungfu.monitor when
 rewrite() is called (so latest() finds it before the first step) and shared by all the rewrites of that
@@ -32,8 +34,8 @@ class MonitoredSSGD:
 
     __name__ = "ssgd_with_monitors"
 
-    def __init__(self, names, interval, local_batch_size, name):
-        self.monitors = _monitor.Monitors(names, interval, local_batch_size, name)
+    def __init__(self, names, interval, local_batch_size, name, alpha=_monitor.DEFAULT_ALPHA):
+        self.monitors = _monitor.Monitors(names, interval, local_batch_size, name, alpha)
         with tf.init_scope(), tf.device("CPU:0"):
             self.step = tf.Variable(0, trainable=False, dtype=tf.int64, name="kungfu_rewrite_step")
 
@@ -41,14 +43,15 @@ class MonitoredSSGD:
         m = self.monitors
         local = [_tensor(g) for g in grads]
         m.tick(local)
-        if ctx.size == 1 or not m.reduces:  # one worker: no second batch size, the estimates stay 0
+        step = self.step.read_value()
+        if ctx.size == 1 or not m.reduces:
             out = mean_gradients(grads, ctx)[0]
+            if ctx.size == 1:  # no second batch size: this step's gradients and the previous step's
+                m.update_one_worker(local, [g.variable for g in grads], step)
         else:
-            due = m.due(self.step.read_value())
+            due = m.due(step)
             out, (mean_local_sq,) = mean_gradients(grads, ctx, extra=[m.local_sq_norm(local, due)])
-            updated = m.update(due, mean_local_sq, [_tensor(g) for g in out])
-            with tf.control_dependencies([updated]):  # the update reads the reduced gradients first
-                out = [g.replace(values=tf.identity(g.values)) for g in out]
+            m.update(due, mean_local_sq, [_tensor(g) for g in out])  # reads tensors: the apply need not wait
         with tf.control_dependencies([g.values for g in out]):
             self.step.assign_add(1)
         return out

@@ -21,9 +21,12 @@ from a policy, whose decisions agree across workers.
 With one worker, apply() is the base optimizer's: every strategy is plain local training.
 
 Monitors (monitor=["gns", "variance", "snr"]): kungfu.monitor.Monitors keeps their variables and
-graph code. Only the ssgd branch computes them (it has both the local and the all-reduced gradients);
-sma and pair_averaging steps leave them as they were. With one worker only the throughput is measured.
-See docs/monitoring.md ("Using monitors").
+graph code. The ssgd branch carries this worker's squared gradient norm in its all-reduce and returns
+the mean beside the gradients; the estimates are made after the optimizer's update (they read the
+reduced gradients, so they overlap the update instead of delaying it), in ssgd steps only: sma and
+pair_averaging steps leave them as they were. With one worker, every strategy is local training and
+the estimates pair consecutive steps' gradients (Monitors.update_one_worker). See docs/monitoring.md
+("Using monitors").
 """
 
 import tensorflow as tf
@@ -106,9 +109,14 @@ class DistributedMixin:
     def apply(self, grads, trainable_variables=None):
         _lib.require_init(f"{type(self).__name__} (a kungfu distributed optimizer)")
         grads = list(grads)
-        if grads and self._kungfu.monitors is not None:
-            self._kungfu.monitors.tick(grads)
+        m = self._kungfu.monitors
+        if grads and m is not None:
+            m.tick(grads)
         if not grads or _lib.size() == 1:
+            variables = trainable_variables if trainable_variables is not None else (
+                self._trainable_variables if self.built else None)
+            if grads and m is not None and variables is not None:
+                m.update_one_worker(grads, list(variables), self.iterations)
             return super().apply(grads, trainable_variables)
         if trainable_variables is None:
             if not self.built:
@@ -123,41 +131,47 @@ class DistributedMixin:
         if len(grads) != len(variables):
             raise ValueError(f"apply: got {len(grads)} gradients for {len(variables)} variables")
         with tf.name_scope("kungfu"):
-            grads = self._kungfu_exchange(grads, variables)
+            grads, monitored = self._kungfu_exchange(grads, variables)
         super().apply(grads, variables)
         self._kungfu_publish(variables)
+        if monitored is not None:
+            with tf.name_scope("kungfu_monitors"):
+                self._kungfu.monitors.update(*monitored)
 
     def _kungfu_exchange(self, grads, variables):
-        """The strategy's work before the update; returns the gradients to apply."""
+        """The strategy's work before the update; returns (the gradients to apply, None or the
+        arguments of Monitors.update for after the update)."""
         kf = self._kungfu
         live = [i for i, g in enumerate(grads) if g is not None]
         g_live, v_live = [grads[i] for i in live], [variables[i] for i in live]
+        m = kf.monitors if kf.monitors is not None and kf.monitors.reduces else None
+        due = m.due(self.iterations) if m is not None else None  # read before the update increments it
+        no_norm = [tf.constant(0.0, tf.float32)] if m is not None else []  # sma and pair carry none
 
         def ssgd():
-            m = kf.monitors
-            if m is None or not m.reduces:
+            if m is None:
                 return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense)
-            due = m.due(self.iterations)
             # This worker's squared norm rides in the gradients' own all-reduce: no extra collective.
-            out = _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
-                                         extra=[m.local_sq_norm(g_live, due)])
-            reduced = out[:len(g_live)]
-            with tf.control_dependencies([m.update(due, out[-1], reduced)]):
-                return [tf.identity(g) if isinstance(g, tf.Tensor) else g for g in reduced]
+            return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
+                                          extra=[m.local_sq_norm(g_live, due)])
 
         def sma():
             _averaging.sma_update(v_live, kf.alpha, kf.fusion_bytes)
-            return g_live
+            return g_live + no_norm
 
         def pair():
             _averaging.pair_average(v_live, self._kungfu_store_prefix(), self.iterations)
-            return g_live
+            return g_live + no_norm
 
-        new = tf.switch_case(kf.strategy.read_value(), [ssgd, sma, pair])
+        index = kf.strategy.read_value()
+        new = tf.switch_case(index, [ssgd, sma, pair])
         out = list(grads)
         for i, g in zip(live, new):
             out[i] = g
-        return out
+        if m is None:
+            return out, None
+        is_ssgd = tf.equal(index, strategy_index("ssgd"))
+        return out, (is_ssgd if due is True else tf.logical_and(due, is_ssgd), new[-1], new[:len(g_live)])
 
     def _kungfu_store_prefix(self):
         return f"kungfu/model/{self.name}"
@@ -173,7 +187,7 @@ class DistributedMixin:
 
 
 def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=None, sparse_as_dense=False,
-                         monitor=None, monitor_interval=1, local_batch_size=None):
+                         monitor=None, monitor_interval=1, local_batch_size=None, monitor_alpha=0.1):
     """optimizer (any Keras 3 optimizer, not yet used), distributed over the workers.
 
     strategy: "ssgd", "sma" or "pair_averaging"; change it later with .strategy = ... or
@@ -183,7 +197,8 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     monitor: None or a list from "gns", "variance", "snr", computed in S-SGD steps every
     monitor_interval steps; read them with kungfu.monitor.latest(). local_batch_size: this worker's
     batch size (an int, or a tf.Variable to follow; or .set_local_batch_size(n) later), needed by
-    "gns" and "snr", and for samples_per_sec. See docs/monitoring.md.
+    "gns" and "snr", and for samples_per_sec. monitor_alpha: the EMA weight of a new gradient noise
+    scale estimate, in (0, 1] (smaller: smoother, slower to follow). See docs/monitoring.md.
     """
     import keras
 
@@ -198,7 +213,7 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
         raise ValueError(f"alpha must be a number in (0, 1], got {alpha!r}")
     fusion_bytes = _reduce.check_fusion_bytes(fusion_bytes)
-    names, monitor_interval = _monitor.check_arguments(monitor, monitor_interval, local_batch_size)
+    names, monitor_interval = _monitor.check_arguments(monitor, monitor_interval, local_batch_size, monitor_alpha)
     base = type(optimizer)
     cls = _classes.get(base)
     if cls is None:
@@ -209,13 +224,14 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     wrapped = cls.from_config(optimizer.get_config())
     wrapped._kungfu = _Settings(strategy, float(alpha), fusion_bytes, bool(sparse_as_dense))
     if monitor is not None:
-        wrapped._kungfu.monitors = _monitor.Monitors(names, monitor_interval, local_batch_size, wrapped.name)
+        wrapped._kungfu.monitors = _monitor.Monitors(names, monitor_interval, local_batch_size, wrapped.name,
+                                                     monitor_alpha)
     return wrapped
 
 
 def SynchronousSGDOptimizer(optimizer, fusion_bytes=None, sparse_as_dense=False, **monitors):
     """Synchronous SGD: every step applies the mean of all workers' gradients (all-reduce).
-    monitors: monitor=, monitor_interval=, local_batch_size=, as for DistributedOptimizer."""
+    monitors: monitor=, monitor_interval=, local_batch_size=, monitor_alpha=, as for DistributedOptimizer."""
     return DistributedOptimizer(optimizer, "ssgd", fusion_bytes=fusion_bytes, sparse_as_dense=sparse_as_dense,
                                 **monitors)
 
