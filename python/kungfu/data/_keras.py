@@ -62,7 +62,8 @@ class EpochCallback(keras.callbacks.ProgbarLogger):
         _register_collect_at_exit()
 
     def set_params(self, params):
-        super().set_params(params)  # ProgbarLogger's reads params without keeping them
+        keras.callbacks.Callback.set_params(self, params)  # keeps self.params, which ProgbarLogger's does not
+        super().set_params(params)
         self._steps_per_epoch = params.get("steps")
 
     def on_train_begin(self, logs=None):
@@ -76,7 +77,7 @@ class EpochCallback(keras.callbacks.ProgbarLogger):
                              "effect at the next step")
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.target = None  # the total follows the plan, see on_train_batch_end
+        self.target = len(self._dataset)  # a whole epoch at the current size; on_train_batch_end follows
         super().on_epoch_begin(epoch, logs)
 
     def on_train_batch_end(self, batch, logs=None):
