@@ -22,6 +22,7 @@ import tensorflow as tf  # noqa: E402
 import kungfu  # noqa: E402
 from kungfu import optimizers  # noqa: E402
 from kungfu.errors import PolicyError  # noqa: E402
+import kungfu.policies as kp  # noqa: E402
 from kungfu.policies import BasePolicy  # noqa: E402
 
 FEATURES, CLASSES = 6, 3
@@ -126,11 +127,95 @@ def a_policy_raising_on_one_worker_raises_on_every_worker():
     kungfu.barrier()  # the workers carry on together after the error
 
 
+class RecordBatch(keras.callbacks.Callback):
+    """After the policy callback: each step's batch rows on this worker and the learning rate after it."""
+
+    def __init__(self, ds):
+        super().__init__()
+        self.ds, self.rows = ds, []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.rows.append([self.ds.local_batch_size, float(self.model.optimizer.learning_rate.numpy())])
+
+
+def batch_size_change_lands_at_the_same_step_in_fit():
+    n = kungfu.size()
+    x, y = data(32 * n)
+    ds = kungfu.data.AdaptiveDataset((x, y), global_batch_size=4 * n, seed=3)
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1))
+    model = compiled_model(opt)
+    policies = [kp.scheduled({3: {"batch_size": 8 * n}}), kp.lr_scaling("linear")]
+    rec = RecordBatch(ds)
+    model.fit(ds.as_dataset(), epochs=1, shuffle=False, verbose=0,
+              callbacks=[kungfu.keras.PolicyCallback(policies, dataset=ds), rec, ds.keras_callback()])
+    rows = same_everywhere(rec.rows, "local batch, learning rate per step")
+    # 3 steps of 4 rows per worker, then (32 - 12) / 8 = 2.5: two of 8 and the last 4 rows joined to them?
+    # no: the last batch holds what is left (4 per worker), so 8, 8 and 4 rows.
+    assert rows[:, 0].tolist() == [4, 4, 4, 8, 8, 4], rows[:, 0].tolist()
+    assert np.allclose(rows[:, 1], [0.1] * 2 + [0.2] * 4), rows[:, 1]  # doubled with the batch, after step 3
+
+
+def _gns_run(compiled, x, y):
+    """One custom-loop run of a rewritten S-SGD step whose batch size a GNS policy drives, the policy run
+    either as a Python hook (PolicyRunner) or compiled into the step; returns [(global batch, lr)] per step."""
+    n = kungfu.size()
+    ds = kungfu.data.AdaptiveDataset((x, y), global_batch_size=2 * n, seed=4)
+    keras.utils.set_random_seed(11)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
+    opt = keras.optimizers.SGD(0.05)
+    model.build((None, FEATURES))
+    opt.build(model.trainable_variables)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function(input_signature=list(ds.element_spec))
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    # Bounds allow a single change (2n -> 4n) and no shrink: then only the prior decides, not the
+    # measured step times, which differ from run to run.
+    policy = kp.gns_batch_size(2 * n, 4 * n, interval=2, warmup_steps=4, cooldown_steps=4, allow_shrink=False,
+                               lr_rule="sqrt")
+    common = dict(monitors=["gns"], local_batch_size=ds.local_batch_size_variable)
+    if compiled:
+        step = kungfu.rewrite(train_step, **common, policies=[policy], optimizer=opt, dataset=ds)
+        runner = None
+    else:
+        step = kungfu.rewrite(train_step, **common)
+        runner = kungfu.PolicyRunner([policy], optimizer=opt, dataset=ds, monitors=step)
+    rows = []
+    for xb, yb in ds.as_dataset():
+        loss = step(xb, yb)
+        if runner is not None:
+            runner.after_step(loss=loss)
+        rows.append([ds.batch_size, float(opt.learning_rate.numpy())])
+        if len(rows) == 30:
+            break
+    return rows
+
+
+def compiled_gns_policy_decides_as_the_python_hook():
+    n = kungfu.size()
+    rng = np.random.RandomState(9)
+    x = rng.normal(size=(200 * n, FEATURES)).astype(np.float32)
+    y = rng.randint(0, CLASSES, size=len(x)).astype(np.int64)  # random labels: a large noise scale
+    hook = same_everywhere(_gns_run(False, x, y), "hook run: batch, learning rate per step")
+    graph = same_everywhere(_gns_run(True, x, y), "compiled run: batch, learning rate per step")
+    assert np.array_equal(hook, graph), f"hook {hook.tolist()}\ncompiled {graph.tolist()}"
+    assert hook[0, 0] == 2 * n and hook[-1, 0] == 4 * n, hook[:, 0].tolist()  # the policy did change the batch
+    assert np.isclose(hook[-1, 1], 0.05 * np.sqrt(2)), hook[-1, 1]
+
+
 def main():
     kungfu.init()
     checks = [strategy_and_learning_rate_change_at_the_same_step,
               local_decisions_follow_rank_0_and_local_metrics_are_averaged,
-              a_policy_raising_on_one_worker_raises_on_every_worker]
+              a_policy_raising_on_one_worker_raises_on_every_worker,
+              batch_size_change_lands_at_the_same_step_in_fit,
+              compiled_gns_policy_decides_as_the_python_hook]
     mp.run_checks(checks, kungfu.rank())
 
 

@@ -224,3 +224,24 @@ def test_a_compiled_policy_reading_what_the_graph_lacks_names_it():
     step = kungfu.rewrite(step_fn(model, opt), policies=[ReadsLoss()], optimizer=opt)
     with pytest.raises(KeyError, match="'loss' is not available to a policy compiled into the graph"):
         step(x, y)
+
+
+def test_a_compiled_schedule_applies_its_entry_0_before_the_first_step():
+    import kungfu.policies as kp
+
+    model, x, y = model_and_data()
+    opt = keras.optimizers.SGD(0.1)
+    lrs = []
+
+    @tf.function
+    def train_step(x, y):
+        lrs.append(None)  # traced once
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return opt.learning_rate
+
+    step = kungfu.rewrite(train_step, policies=[kp.scheduled({0: {"learning_rate": 0.5}, 2: {"learning_rate": 0.25}})],
+                          optimizer=opt)
+    used = [float(step(x, y)) for _ in range(3)]
+    assert used == [0.5, 0.5, 0.25] and len(lrs) == 1

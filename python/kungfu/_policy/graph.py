@@ -250,6 +250,18 @@ class CompiledPolicies:
             self.step = tf.Variable(0, trainable=False, dtype=tf.int64, name="kungfu_policy_step")
             self.stop_flag = tf.Variable(False, trainable=False, name="kungfu_policy_stop")
         self._state = {}  # (policy index, name) -> tf.Variable
+        self.started = False  # whether start() ran the before_train hooks
+
+    def start(self):
+        """Runs the policies' before_train hooks once, as Python hooks (a schedule's entry 0, say): the
+        step's graph has no "before training"; kungfu.rewrite's step calls this at its first call."""
+        self.started = True
+        if any(base.due(p, "before_train", 0) for p in self.policies):
+            from .runner import PolicyRunner
+
+            c = self.controls
+            PolicyRunner(self.policies, optimizer=c.optimizer, dataset=c.dataset, monitors=c.monitors,
+                         batch_size=c.fixed_batch_size, name=f"{self.name}/start").before_train()
 
     def state_variables(self, policy, initial):
         i = next(j for j, p in enumerate(self.policies) if p is policy)
