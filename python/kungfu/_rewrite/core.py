@@ -124,6 +124,8 @@ class Rewritten:
         functools.update_wrapper(self, fn.python_function, updated=())
 
     def __call__(self, *args, **kwargs):
+        if self._policies is not None and not self._policies.started:
+            self._policies.start()  # the policies' before_train hooks, in Python, once
         return self._function()(*args, **kwargs)
 
     def get_concrete_function(self, *args, **kwargs):
