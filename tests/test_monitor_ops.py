@@ -184,6 +184,8 @@ class HelpersTest(tf.test.TestCase):
         self.assertAllClose(monitor.squared_norm([tf.constant([3, 4], tf.int32)]), 25.0)  # cast to float32
         graph = tf.function(monitor.squared_norm).get_concrete_function(tensors).graph
         self.assertEqual([op.type for op in graph.get_operations()].count("KfSquaredNorm"), 1)
+        huge = (1 << 24) + 3  # above the kernel's threshold for splitting over the intra-op threads
+        self.assertAllClose(monitor.squared_norm([tf.fill([huge], 0.5)]), huge * 0.25, rtol=1e-6)
 
     def test_consecutive_sq_norms_of_dense_pairs(self):
         rng = np.random.default_rng(5)
