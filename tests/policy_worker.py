@@ -209,13 +209,36 @@ def compiled_gns_policy_decides_as_the_python_hook():
     assert np.isclose(hook[-1, 1], 0.05 * np.sqrt(2)), hook[-1, 1]
 
 
+def policies_compiled_into_the_optimizer_act_at_the_same_step():
+    n = kungfu.size()
+    x, y = data(48 * n)
+    ds = kungfu.data.AdaptiveDataset((x, y), global_batch_size=4 * n, seed=3)
+    policies = [kp.strategy_switch("sma", at_step=2), kp.scheduled({4: {"batch_size": 8 * n}}),
+                kp.lr_scaling("linear")]
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1), policies=policies, dataset=ds)
+    model = compiled_model(opt)
+    rec, strategies = RecordBatch(ds), []
+
+    class Strategy(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            strategies.append(float(opt.strategy_variable.numpy()))
+
+    model.fit(ds.as_dataset(), epochs=1, shuffle=False, verbose=0, callbacks=[rec, Strategy(), ds.keras_callback()])
+    rows = same_everywhere(np.c_[rec.rows, strategies], "local batch, learning rate, strategy per step")
+    # 48 rows a worker: 4 steps of 4, then 4 of 8; the changes are made in step 2's and step 4's graphs.
+    assert rows[:, 0].tolist() == [4] * 4 + [8] * 4, rows[:, 0].tolist()
+    assert np.allclose(rows[:, 1], [0.1] * 3 + [0.2] * 5), rows[:, 1]
+    assert rows[:, 2].tolist() == [0] + [1] * 7, rows[:, 2].tolist()
+
+
 def main():
     kungfu.init()
     checks = [strategy_and_learning_rate_change_at_the_same_step,
               local_decisions_follow_rank_0_and_local_metrics_are_averaged,
               a_policy_raising_on_one_worker_raises_on_every_worker,
               batch_size_change_lands_at_the_same_step_in_fit,
-              compiled_gns_policy_decides_as_the_python_hook]
+              compiled_gns_policy_decides_as_the_python_hook,
+              policies_compiled_into_the_optimizer_act_at_the_same_step]
     mp.run_checks(checks, kungfu.rank())
 
 

@@ -19,7 +19,8 @@ CHECKS = ["strategy_and_learning_rate_change_at_the_same_step",
           "local_decisions_follow_rank_0_and_local_metrics_are_averaged",
           "a_policy_raising_on_one_worker_raises_on_every_worker",
           "batch_size_change_lands_at_the_same_step_in_fit",
-          "compiled_gns_policy_decides_as_the_python_hook"]
+          "compiled_gns_policy_decides_as_the_python_hook",
+          "policies_compiled_into_the_optimizer_act_at_the_same_step"]
 
 
 @pytest.mark.parametrize("np_", [2, 4])

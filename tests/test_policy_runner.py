@@ -245,3 +245,22 @@ def test_a_compiled_schedule_applies_its_entry_0_before_the_first_step():
                           optimizer=opt)
     used = [float(step(x, y)) for _ in range(3)]
     assert used == [0.5, 0.5, 0.25] and len(lrs) == 1
+
+
+def test_policies_compiled_into_the_optimizer_switch_strategy_and_rate_in_fit():
+    import kungfu.policies as kp
+
+    model, x, y = model_and_data()
+    policies = [kp.strategy_switch("sma", at_step=3), kp.scheduled({5: {"learning_rate": 0.05}})]
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1), policies=policies)
+    model.compile(optimizer=opt, loss="mse")
+    seen = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append((opt.strategy, round(float(opt.learning_rate.numpy()), 6)))
+
+    model.fit(x, y, batch_size=4, epochs=2, verbose=0, callbacks=[Record()])
+    assert seen == [("ssgd", 0.1)] * 2 + [("sma", 0.1)] * 2 + [("sma", 0.05)] * 4
+    with pytest.raises(ValueError, match="DistributedOptimizer: policy Recorder is not compilable"):
+        optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1), policies=[Recorder()])

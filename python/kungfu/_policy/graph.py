@@ -3,6 +3,9 @@
     step = kungfu.rewrite(train_step, monitors=["gns"], local_batch_size=ds.local_batch_size_variable,
                           policies=[kungfu.policies.gns_batch_size(64, 1024)], optimizer=opt, dataset=ds)
 
+The optimizer wrappers compile them the same way into their apply():
+kungfu.optimizers.SynchronousSGDOptimizer(opt, ..., policies=[...], dataset=ds), for model.fit.
+
 CompiledPolicies.build() runs while the step is traced, after everything the step does (the update
 included): it counts the step, and for each policy traces its after_step once, with a GraphContext,
 inside a tf.cond that is true every `interval` steps. The policy's own code is what runs as a Python
@@ -235,13 +238,14 @@ def _lr_settable(controls):
 
 
 class CompiledPolicies:
-    """The policies of one kungfu.rewrite call, compiled into its step; shared by all its traces."""
+    """The policies of one kungfu.rewrite call (or one DistributedOptimizer), compiled into its step;
+    shared by all its traces. who: the caller, for messages."""
 
-    def __init__(self, policies, controls, name):
-        self.policies = base.check_policies(policies, "kungfu.rewrite")
+    def __init__(self, policies, controls, name, who="kungfu.rewrite"):
+        self.policies = base.check_policies(policies, who)
         for p in self.policies:
             if not p.compilable:
-                raise ValueError(f"kungfu.rewrite: policy {p.name} is not compilable into the graph (its compilable "
+                raise ValueError(f"{who}: policy {p.name} is not compilable into the graph (its compilable "
                                  "is False); run it as a Python hook with kungfu.PolicyRunner or "
                                  "kungfu.keras.PolicyCallback")
         self.controls = controls

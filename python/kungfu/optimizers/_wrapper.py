@@ -27,6 +27,10 @@ reduced gradients, so they overlap the update instead of delaying it), in ssgd s
 pair_averaging steps leave them as they were. With one worker, every strategy is local training and
 the estimates pair consecutive steps' gradients (Monitors.update_one_worker). See docs/monitoring.md
 ("Using monitors").
+
+Policies (policies=[...]): compilable kungfu.policies whose after_step is traced into apply() after
+the update and the monitors (kungfu/_policy/graph.py), so a step's monitors, decisions and controls are
+all ops of its graph; their before_train hooks run once, in Python, when apply() is first traced.
 """
 
 import tensorflow as tf
@@ -58,6 +62,7 @@ class _Settings:
         self.fusion_bytes = fusion_bytes
         self.sparse_as_dense = sparse_as_dense
         self.monitors = None  # kungfu.monitor.Monitors when monitors were requested
+        self.policies = None  # kungfu._policy.graph.CompiledPolicies when policies were given
 
 
 class DistributedMixin:
@@ -108,6 +113,20 @@ class DistributedMixin:
 
     def apply(self, grads, trainable_variables=None):
         _lib.require_init(f"{type(self).__name__} (a kungfu distributed optimizer)")
+        policies = self._kungfu.policies
+        if policies is None:
+            return self._kungfu_apply(grads, trainable_variables)
+        graph = None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        first = len(graph.get_operations()) if graph is not None else 0
+        result = self._kungfu_apply(grads, trainable_variables)
+        if not policies.started:
+            with tf.init_scope():  # before_train hooks run in Python, once, when the step is first traced
+                policies.start()
+        with tf.name_scope("kungfu_policies"):  # after the update, the monitors and the publish
+            policies.build(graph.get_operations()[first:] if graph is not None else [])
+        return result
+
+    def _kungfu_apply(self, grads, trainable_variables):
         grads = list(grads)
         m = self._kungfu.monitors
         if grads and m is not None:
@@ -187,7 +206,8 @@ class DistributedMixin:
 
 
 def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=None, sparse_as_dense=False,
-                         monitor=None, monitor_interval=1, local_batch_size=None, monitor_alpha=0.1):
+                         monitor=None, monitor_interval=1, local_batch_size=None, monitor_alpha=0.1,
+                         policies=None, dataset=None):
     """optimizer (any Keras 3 optimizer, not yet used), distributed over the workers.
 
     strategy: "ssgd", "sma" or "pair_averaging"; change it later with .strategy = ... or
@@ -199,6 +219,10 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     batch size (an int, or a tf.Variable to follow; or .set_local_batch_size(n) later), needed by
     "gns" and "snr", and for samples_per_sec. monitor_alpha: the EMA weight of a new gradient noise
     scale estimate, in (0, 1] (smaller: smoother, slower to follow). See docs/monitoring.md.
+    policies: None or a list of compilable kungfu.policies, compiled into every step after the update
+    (as kungfu.rewrite(fn, policies=...) does): they read this optimizer's monitors and assign its
+    learning rate and strategy, and the batch size of dataset= (a kungfu.data.AdaptiveDataset).
+    See docs/policies.md.
     """
     import keras
 
@@ -226,12 +250,22 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     if monitor is not None:
         wrapped._kungfu.monitors = _monitor.Monitors(names, monitor_interval, local_batch_size, wrapped.name,
                                                      monitor_alpha)
+    if policies is not None:
+        from .._policy.controls import Controls
+        from .._policy.graph import CompiledPolicies
+
+        controls = Controls("DistributedOptimizer", optimizer=wrapped, dataset=dataset,
+                            monitors=wrapped._kungfu.monitors)
+        wrapped._kungfu.policies = CompiledPolicies(policies, controls, wrapped.name, "DistributedOptimizer")
+    elif dataset is not None:
+        raise ValueError("DistributedOptimizer: dataset= is for policies=[...]")
     return wrapped
 
 
 def SynchronousSGDOptimizer(optimizer, fusion_bytes=None, sparse_as_dense=False, **monitors):
     """Synchronous SGD: every step applies the mean of all workers' gradients (all-reduce).
-    monitors: monitor=, monitor_interval=, local_batch_size=, monitor_alpha=, as for DistributedOptimizer."""
+    monitors: monitor=, monitor_interval=, local_batch_size=, monitor_alpha=, policies=, dataset=, as for
+    DistributedOptimizer."""
     return DistributedOptimizer(optimizer, "ssgd", fusion_bytes=fusion_bytes, sparse_as_dense=sparse_as_dense,
                                 **monitors)
 
