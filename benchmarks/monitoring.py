@@ -93,21 +93,25 @@ def run_round(r, work_dir):
 
 
 def measure(work_dir, rounds, steps):
-    results, failures = {}, []
+    """(results by configuration, failed launches, the 1-minute load average after each round)."""
+    results, failures, loads = {}, [], []
     for r in range(rounds):
         per_rank, why, tail = run_round(r, work_dir)
+        loads.append(os.getloadavg()[0])
         if per_rank is None:
             failures.append(('round %d' % (r + 1), why, tail))
             continue
         for key in per_rank[0]:
             n = min(len(p[key]['epochs']) for p in per_rank)
             epochs = [max(p[key]['epochs'][i] for p in per_rank) for i in range(n)]
-            cell = results.setdefault(key, dict(epochs=[], rounds=[], by_round=[]))
+            cpu = [statistics.mean(p[key]['cpu'][i] for p in per_rank) for i in range(n)]
+            cell = results.setdefault(key, dict(epochs=[], rounds=[], by_round=[], cpu_by_round=[]))
             cell['epochs'] += epochs
             cell['by_round'].append(epochs)  # in time order: epoch i of each configuration ran side by side
+            cell['cpu_by_round'].append(cpu)
             cell['rounds'].append(statistics.median(epochs) / steps if epochs else None)
             cell.update({k: v for k, v in per_rank[0][key].items() if k in ('monitors', 'updates')})
-    return results, failures
+    return results, failures, loads
 
 
 def run_meta(rounds):
@@ -128,13 +132,15 @@ def main(argv):
     rounds = _flag('rounds')
     meta = run_meta(rounds)
     with tempfile.TemporaryDirectory(prefix='kf-monitoring-') as work_dir:
-        results, failures = measure(work_dir, rounds, _flag('steps'))
+        results, failures, loads = measure(work_dir, rounds, _flag('steps'))
     meta.append(('load average at end', _meta.load_average()))
+    meta.append(('1-minute load after each round', ', '.join('%.2f' % x for x in loads)))
     meta.append(('note', 'the load at end counts this benchmark\'s own 2 workers (about 2 of it)'))
-    if float(meta[2][1].split()[0]) > os.cpu_count():
-        meta.append(('caution', 'the 1-minute load at start exceeded the %d cores: other programs competed for '
-                                'them, so the step times are noisy; compare the paired overheads and rerun when idle'
-                     % os.cpu_count()))
+    # Our own 2 workers account for about 2 of the load during a round.
+    if float(meta[2][1].split()[0]) > os.cpu_count() or max(loads, default=0) > os.cpu_count() + 2:
+        meta.append(('caution', 'the load exceeded what the %d cores and our 2 workers explain: other programs '
+                                'competed for the cores, so the step times are noisy; compare the paired '
+                                'overheads (and CPU times) and rerun when idle' % os.cpu_count()))
     text = report.render(results, [c['key'] for c in CONFIGS], _flag('steps'), FLAGS.batch, meta, failures)
     _meta.publish(text, FLAGS.out)
 

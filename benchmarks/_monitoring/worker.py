@@ -5,11 +5,13 @@ from round to round). A configuration is {"key", "interval"}; interval 0 means n
 monitor=["gns", "variance", "snr"] at that monitor_interval. Model, data and timing are the training
 benchmark's (benchmarks/_training/common.py), so the figures compare with benchmarks/results/training.md.
 
-Writes rank<r>.json: {config key: {"epochs": [seconds per timed epoch], "monitors": latest() at the end,
-"updates": how many steps ran the gradient monitors}}.
+Writes rank<r>.json: {config key: {"epochs": [seconds per timed epoch], "cpu": [this process's CPU seconds
+(all its threads) per timed epoch], "monitors": latest() at the end, "updates": how many steps ran the
+gradient monitors (kungfu.monitor.update_count)}}.
 """
 import os
 import sys
+import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), '_training'))
@@ -47,18 +49,20 @@ def main():
     common.log(rank, '%s: %d workers, batch %d per worker' % (', '.join(c['key'] for c in configs),
                                                               kungfu.size(), plan['batch']))
     runs = [build(plan, rank, c) for c in configs]
-    seconds = [[] for _ in configs]
+    seconds, cpu = [[] for _ in configs], [[] for _ in configs]
     for epoch in range(plan['warmup'] + plan['epochs']):
         for i, (model, _, data) in enumerate(runs):
             timer = common.epoch_timer()
             callbacks = [kf_callbacks.BroadcastGlobalVariablesCallback(0)] if epoch == 0 else []
+            cpu0 = time.process_time()  # CPU time resists load from other programs better than wall time
             model.fit(data, steps_per_epoch=plan['steps'], initial_epoch=epoch, epochs=epoch + 1, verbose=0,
                       shuffle=False, callbacks=callbacks + [timer])
             if epoch >= plan['warmup']:
                 seconds[i] += timer.seconds
+                cpu[i].append(time.process_time() - cpu0)
     results = {}
-    for config, (model, opt, _), epochs in zip(configs, runs, seconds):
-        results[config['key']] = dict(epochs=epochs)
+    for config, (model, opt, _), epochs, cpu_s in zip(configs, runs, seconds, cpu):
+        results[config['key']] = dict(epochs=epochs, cpu=cpu_s)
         if config['interval']:
             results[config['key']].update(monitors=kungfu.monitor.latest(opt),
                                           updates=kungfu.monitor.update_count(opt))
