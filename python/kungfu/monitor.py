@@ -168,7 +168,7 @@ class Monitors:
         ok = (last > 0) & (dt > 0)
         step_time = tf.where(ok, tf.cast(dt, tf.float32), self.step_time.read_value())
         self.step_time.assign(step_time)
-        samples = tf.cast(_lib.size(), tf.float32) * tf.cast(self.batch.read_value(), tf.float32)
+        samples = tf.cast(_lib.size(), tf.float32) * self._batch_after(deps)
         if self.has_batch:
             self.samples_per_sec.assign(tf.where(ok, samples / tf.where(ok, step_time, 1.0),
                                                  self.samples_per_sec.read_value()))
@@ -187,11 +187,18 @@ class Monitors:
             return _ops.squared_norm(grads)
         return tf.cond(due, lambda: _ops.squared_norm(grads), lambda: tf.constant(0.0, tf.float32))
 
+    def _batch_after(self, tensors):
+        """This step's batch size, read once tensors (its gradients) exist. The batch variable may be one
+        that the input pipeline assigns when the step pulls its batch (kungfu.data.AdaptiveDataset), and
+        nothing else orders a plain read after that pull: it could see the previous batch's size."""
+        with tf.control_dependencies([t for t in tensors if t is not None]):
+            return tf.cast(self.batch.read_value(), tf.float32)
+
     def update(self, due, mean_local_sq, reduced_grads):
         """On due steps, the monitors from the workers' mean squared norm and the all-reduced gradients."""
 
         def run():
-            b = tf.cast(self.batch.read_value(), tf.float32)
+            b = self._batch_after([mean_local_sq])
             b_big = tf.cast(_lib.size(), tf.float32) * b
             self._record(mean_local_sq, _ops.squared_norm(reduced_grads), mean_local_sq, b, b_big, b_big)
             return tf.constant(True)
@@ -212,7 +219,7 @@ class Monitors:
         slots = [prev.slot(v, g.dtype) for g, v in pairs]
         grads = [g for g, _ in pairs]
         step = tf.cast(step, tf.int64)
-        b = tf.cast(self.batch.read_value(), tf.float32)
+        b = self._batch_after(grads)
 
         def run():
             valid = tf.equal(prev.step.read_value(), step - 1) & tf.equal(prev.batch.read_value(), b)
