@@ -143,7 +143,7 @@ def interval_runs_every_k_steps_without_retrace():
             raise AssertionError(f"step {t}: grad_variance {'changed' if changed else 'stayed'} "
                                  f"({before} -> {now}) with monitor_interval={k}")
         before = now
-    updates = int(m.updates.numpy())
+    updates = m.update_count()
     if updates != (STEPS + k - 1) // k:
         raise AssertionError(f"the monitors ran {updates} times in {STEPS} steps with interval {k}")
     if len(traces) != first:

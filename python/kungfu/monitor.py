@@ -21,8 +21,7 @@ step's (a copy kept in variables, made on the step before each due step), the pa
 batch. The estimate is biased (docs/monitoring.md, "One worker").
 
 Cost: each squared norm is one op over the whole gradient list (KfSquaredNorm: one pass, no temporary);
-with monitor_interval=1 no tf.cond is built for the interval; the wrapper runs update() after the
-optimizer's own update, so the second norm overlaps the apply instead of delaying it.
+with monitor_interval=1 no tf.cond is built for the interval.
 collective_stats() reads the engine's per-collective counters (bytes, calls, latency).
 
 Threading: the registry of monitors is guarded by a lock; a Monitors object is written by the

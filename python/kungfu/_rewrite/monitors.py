@@ -7,7 +7,7 @@ It computes what the optimizer wrappers compute, with the same graph code (kungf
 on due steps (every monitor_interval-th call of the step, a tf.cond on a step counter, so the interval
 costs no retrace) this worker's squared gradient norm rides in the S-SGD pass's last all-reduce bucket
 (no extra collective), and the workers' mean squared norm and the squared norm of the reduced gradients
-give the estimates; the apply does not wait for them. On one worker (no second batch size) the estimates
+give the estimates, before the update. On one worker (no second batch size) the estimates
 pair each due step's gradients with the previous step's (Monitors.update_one_worker). Throughput
 (step_time, samples_per_sec) is measured every step.
 
@@ -51,7 +51,9 @@ class MonitoredSSGD:
         else:
             due = m.due(step)
             out, (mean_local_sq,) = mean_gradients(grads, ctx, extra=[m.local_sq_norm(local, due)])
-            m.update(due, mean_local_sq, [_tensor(g) for g in out])  # reads tensors: the apply need not wait
+            updated = m.update(due, mean_local_sq, [_tensor(g) for g in out])
+            with tf.control_dependencies([updated]):  # before the update, not beside it (see the wrapper)
+                out = [g.replace(values=tf.identity(g.values)) for g in out]
         with tf.control_dependencies([g.values for g in out]):
             self.step.assign_add(1)
         return out

@@ -21,12 +21,10 @@ from a policy, whose decisions agree across workers.
 With one worker, apply() is the base optimizer's: every strategy is plain local training.
 
 Monitors (monitor=["gns", "variance", "snr"]): kungfu.monitor.Monitors keeps their variables and
-graph code. The ssgd branch carries this worker's squared gradient norm in its all-reduce and returns
-the mean beside the gradients; the estimates are made after the optimizer's update (they read the
-reduced gradients, so they overlap the update instead of delaying it), in ssgd steps only: sma and
-pair_averaging steps leave them as they were. With one worker, every strategy is local training and
-the estimates pair consecutive steps' gradients (Monitors.update_one_worker). See docs/monitoring.md
-("Using monitors").
+graph code. Only the ssgd branch computes them (it has both the local and the all-reduced gradients),
+before the optimizer's update; sma and pair_averaging steps leave them as they were. With one worker,
+every strategy is local training and the estimates pair consecutive steps' gradients
+(Monitors.update_one_worker). See docs/monitoring.md ("Using monitors").
 
 Policies (policies=[...]): compilable kungfu.policies whose after_step is traced into apply() after
 the update and the monitors (kungfu/_policy/graph.py), so a step's monitors, decisions and controls are
@@ -150,47 +148,43 @@ class DistributedMixin:
         if len(grads) != len(variables):
             raise ValueError(f"apply: got {len(grads)} gradients for {len(variables)} variables")
         with tf.name_scope("kungfu"):
-            grads, monitored = self._kungfu_exchange(grads, variables)
+            grads = self._kungfu_exchange(grads, variables)
         super().apply(grads, variables)
         self._kungfu_publish(variables)
-        if monitored is not None:
-            with tf.name_scope("kungfu_monitors"):
-                self._kungfu.monitors.update(*monitored)
 
     def _kungfu_exchange(self, grads, variables):
-        """The strategy's work before the update; returns (the gradients to apply, None or the
-        arguments of Monitors.update for after the update)."""
+        """The strategy's work before the update; returns the gradients to apply."""
         kf = self._kungfu
         live = [i for i, g in enumerate(grads) if g is not None]
         g_live, v_live = [grads[i] for i in live], [variables[i] for i in live]
-        m = kf.monitors if kf.monitors is not None and kf.monitors.reduces else None
-        due = m.due(self.iterations) if m is not None else None  # read before the update increments it
-        no_norm = [tf.constant(0.0, tf.float32)] if m is not None else []  # sma and pair carry none
 
         def ssgd():
-            if m is None:
+            m = kf.monitors
+            if m is None or not m.reduces:
                 return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense)
+            due = m.due(self.iterations)
             # This worker's squared norm rides in the gradients' own all-reduce: no extra collective.
-            return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
-                                          extra=[m.local_sq_norm(g_live, due)])
+            out = _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
+                                         extra=[m.local_sq_norm(g_live, due)])
+            reduced = out[:len(g_live)]
+            # The estimates run before the update, not beside it: with workers sharing cores, running
+            # them beside the update cost 4 to 5 points more CPU per step (benchmarks/monitoring.py).
+            with tf.control_dependencies([m.update(due, out[-1], reduced)]):
+                return [tf.identity(g) if isinstance(g, tf.Tensor) else g for g in reduced]
 
         def sma():
             _averaging.sma_update(v_live, kf.alpha, kf.fusion_bytes)
-            return g_live + no_norm
+            return g_live
 
         def pair():
             _averaging.pair_average(v_live, self._kungfu_store_prefix(), self.iterations)
-            return g_live + no_norm
+            return g_live
 
-        index = kf.strategy.read_value()
-        new = tf.switch_case(index, [ssgd, sma, pair])
+        new = tf.switch_case(kf.strategy.read_value(), [ssgd, sma, pair])
         out = list(grads)
         for i, g in zip(live, new):
             out[i] = g
-        if m is None:
-            return out, None
-        is_ssgd = tf.equal(index, strategy_index("ssgd"))
-        return out, (is_ssgd if due is True else tf.logical_and(due, is_ssgd), new[-1], new[:len(g_live)])
+        return out
 
     def _kungfu_store_prefix(self):
         return f"kungfu/model/{self.name}"
