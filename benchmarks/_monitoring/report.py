@@ -98,7 +98,7 @@ NOTES = [
     'one epoch of each in turn (in an order rotated from round to round), so bursts of load from other '
     'programs fall on every configuration alike. overhead per round compares configurations of the same launch.',
     'A monitored step computes each worker\'s squared gradient norm (one KfSquaredNorm op over the gradient '
-    'list), carries it in the gradients\' own all-reduce (no extra collective), then, beside the optimizer\'s '
+    'list), carries it in the gradients\' own all-reduce (no extra collective), then, before the optimizer\'s '
     'update, the squared norm of the mean gradient and the GNS, variance and SNR ops. Throughput (step_time) '
     'is measured at every step whenever monitors are on, so interval 8 still pays for the timestamps and '
     'the tf.cond.',
