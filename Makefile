@@ -113,6 +113,7 @@ bench: deps
 	$(PYTHON) benchmarks/allreduce.py
 	$(PYTHON) benchmarks/training.py
 	$(PYTHON) benchmarks/monitoring.py
+	$(PYTHON) benchmarks/policies.py
 
 clean:
 	rm -rf build dist *.egg-info python/*.egg-info
