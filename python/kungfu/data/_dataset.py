@@ -14,6 +14,8 @@ One pass at a time: a new iterator starts a new epoch and ends the previous pass
 stops (it would otherwise hand out the same samples a second time).
 """
 
+import atexit
+import gc
 import logging
 import threading
 import zlib
@@ -160,6 +162,7 @@ class AdaptiveDataset:
         """A tf.data.Dataset of this worker's batches: iterating it once is one epoch. Its batch dimension
         is None, so a step traced on it serves every batch size. Do not add prefetching (or a parallel
         map) after it: a batch made ahead would miss a batch-size change made before its step."""
+        _register_collect_at_exit()
         ds = tf.data.Dataset.from_generator(self._generate, output_signature=self.element_spec)
         options = tf.data.Options()
         options.experimental_optimization.inject_prefetch = False  # on by default: it would read ahead
@@ -280,3 +283,18 @@ def _fingerprint(arrays):
         for i in sorted({0, n // 2, n - 1}):
             crc = zlib.crc32(np.ascontiguousarray(a[i]).tobytes(), crc)
     return crc
+
+
+_collecting_at_exit = False  # whether the atexit hook below is registered
+
+
+def _register_collect_at_exit():
+    """An iterator over as_dataset() left unfinished (a loop that breaks out, model.fit's epochs, which
+    EpochCallback ends early) can sit in a reference cycle that holds the tf.data iterator. If no garbage
+    collection frees it before the interpreter shuts down, TensorFlow finalizes the generator then: it logs
+    "Error occurred when finalizing GeneratorDataset iterator", and exits were seen to hang. Collecting at
+    exit, while Python still runs, frees it quietly."""
+    global _collecting_at_exit
+    if not _collecting_at_exit:
+        _collecting_at_exit = True
+        atexit.register(gc.collect)

@@ -14,10 +14,9 @@ first one's count. List it last in callbacks, where Keras puts its own progress 
 logs it prints are those that callbacks before it (MetricAverageCallback) have averaged.
 """
 
-import atexit
-import gc
-
 import keras
+
+from ._dataset import _register_collect_at_exit
 
 
 class _EndOfEpoch:
@@ -32,19 +31,6 @@ class _EndOfEpoch:
 
 
 END_OF_EPOCH = _EndOfEpoch()
-
-_collecting_at_exit = False  # whether the atexit hook below is registered
-
-
-def _register_collect_at_exit():
-    """Ending an epoch early leaves fit's epoch iterator suspended in a reference cycle that holds the
-    tf.data iterator; if no garbage collection frees it before the interpreter shuts down, TensorFlow
-    finalizes the generator then and logs "Error occurred when finalizing GeneratorDataset iterator".
-    Collecting at exit, while Python still runs, frees it quietly."""
-    global _collecting_at_exit
-    if not _collecting_at_exit:
-        _collecting_at_exit = True
-        atexit.register(gc.collect)
 
 
 class EpochCallback(keras.callbacks.ProgbarLogger):
