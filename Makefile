@@ -6,7 +6,8 @@
 #   make bazel-build  bazel build //:kungfu_ops  -> build/bazel/_kungfu.so
 #   make bazel-test   bazel test //cc:engine_test
 #   make test         all of the above, then pytest tests/
-#   make demo         kfrun -np 4 on examples/keras_digits.py (S-SGD with model.fit)
+#   make demo         kfrun -np 4 on examples/adaptive_batch.py (fixed small, fixed large and GNS-driven
+#                     adaptive batch, ~2 min): prints the comparison, writes build/demo/adaptive_batch.{png,md}
 #   make bench        benchmarks/allreduce.py, training.py and monitoring.py (write benchmarks/results/)
 
 SHELL := /bin/bash
@@ -106,7 +107,7 @@ test: deps
 
 demo: deps
 	@$(MAKE) --no-print-directory build
-	$(KFRUN) -np 4 $(PYTHON) examples/keras_digits.py
+	$(KFRUN) -np 4 $(PYTHON) examples/adaptive_batch.py --out_dir=build/demo
 
 bench: deps
 	@$(MAKE) --no-print-directory build

@@ -60,3 +60,14 @@ def test_pair_averaging_and_switch(tmp_path):
            r"^\[0\] epoch  2/2 sma +loss .* spread \d\.\d+$",
            r"^\[0\] test accuracy of each worker's model: 0\.\d+, 0\.\d+$",
            r"^\[0\] test accuracy of the workers' mean model, now on every worker: 0\.\d+$")
+
+
+def test_adaptive_batch(tmp_path):
+    out = run_example("adaptive_batch.py", ["--quick", f"--out_dir={tmp_path / 'out'}"], tmp_path)
+    expect(out,
+           r"^\[0\] fixed small: \d+ steps, \d+ samples in \d+\.\d s of training, batch 64, final test accuracy",
+           r"^\[0\] \| adaptive \| 64( -> \d+)? \| 0\.05 \| ",
+           r"^\[0\] - Target: adaptive reaches 0\.7 in <= 0\.75x the time of the best fixed batch: (met|NOT met)\.$",
+           r"^\[0\] What the policy did in the adaptive run: it started at global batch 64",
+           r"^\[0\] wrote .*adaptive_batch\.png and .*adaptive_batch\.md$")
+    assert sorted(os.listdir(tmp_path / "out")) == ["adaptive_batch.md", "adaptive_batch.png"]

@@ -1,0 +1,411 @@
+"""Adaptive batch size: a fixed small batch, a fixed large batch and a batch that follows the gradient
+noise scale, trained one after another in one launch, timed to a target test accuracy, and plotted.
+
+    kfrun -np 4 python examples/adaptive_batch.py [--budget=14 --out_dir=DIR]     (about 2 minutes)
+    kfrun -np 2 python examples/adaptive_batch.py --quick                        (a smoke run, ~30 s)
+
+The task (generated here from fixed seeds, the same on every worker): 16x16 one-channel images of 10
+classes; each class is a fixed random smoothed pattern, every image its class's pattern plus N(0, 2.5^2)
+pixel noise, and 20% of the labels are replaced by random classes. 50,000 training and 8,000 test images.
+The best possible test accuracy (the nearest pattern, against the noisy labels) is 0.823. The model
+is Conv16-MaxPool-Conv32-Dense10 (25k parameters), trained by SynchronousSGDOptimizer over SGD with
+momentum 0.9, its inputs from kungfu.data.AdaptiveDataset (each worker its part of every global batch).
+
+The three runs (same initial model, broadcast from rank 0; the same seeds):
+  small     global batch 64 (16 per worker on 4 workers), LR 0.025;
+  large     global batch 256, LR 0.05;
+  adaptive  starts at 64; kungfu.policies.gns_batch_size() moves the batch toward the gradient noise
+            scale (the "gns" monitor) within [64, 1024], run by kungfu.PolicyRunner after every step.
+            The LR stays at 0.05 (lr_rule=None): the rate that suits the batches of 256 and more where
+            it spends most of its time; a batch that grows at a constant LR lowers the noise of SGD as
+            training goes, the job a decaying LR does otherwise (0.025, or 0.025 with the "sqrt" rule,
+            were slower in a trial).
+The fixed runs' settings are the best of a sweep run once (--budget 14 on 4 workers, 2 cores), global
+batch x LR: 64 x {0.0125, 0.025, 0.05, 0.1}, 128 x {0.025, 0.05, 0.1}, 256 x {0.025, 0.05, 0.1},
+512 x {0.05, 0.1, 0.2}. 256 at 0.05 reached 0.80 first; of the 64s, 0.025 reached 0.79 first and ended
+as high as any (README, "Adaptive training", has the numbers).
+
+The policy's settings (flags below) and why. It decides every 4 steps (the noise scale is an EMA over
+~10 steps), from step 16 on (the first estimates, made near the initial weights, read high), with a
+cooldown of 8 steps, and never shrinks the batch (a low estimate should not undo the annealing).
+min_gain=0: its time-to-loss model T(B) = (1 + gns/B)(alpha + beta B), alpha and beta fitted to the
+measured step times, then moves the batch whenever it predicts no loss. multiple_of=64 with max_change=2:
+batches of 64, 128, 192, 256, 384, ...; the fit needs step times at well-separated sizes (with 64 -> 96,
+the single-step times of a loaded machine twice made the fit conclude that no larger batch pays, and the
+batch stayed at 96 for the whole run). That model's optimum is sqrt(gns alpha/beta), not gns, so the batch
+grows more slowly than the noise scale: to 256-1024 while gns reaches 1000-2000.
+
+Time is training time only: the clock stops while the test set is evaluated (every --eval_every seconds
+of training; each worker evaluates its part of it, an all-reduce adds up the counts), and each run
+trains for --budget seconds. Rank 0's clock decides when to evaluate and when to stop; it is broadcast
+every 4 steps, so every worker evaluates and stops after the same step (the collectives must match).
+Rank 0 prints a table (training time and steps to each target accuracy, final accuracy, adaptive
+against the best fixed run at --main_target) and what the policy changed and when, and writes
+<out_dir>/adaptive_batch.png (batch size, noise scale, LR and test accuracy over training time) and
+<out_dir>/adaptive_batch.md (the same results in markdown).
+
+--runs takes other runs too, e.g. --runs=fixed:512:0.1,fixed:256:0.025 for a learning-rate sweep.
+"""
+
+import os
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up notices out of the output
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+
+import kungfu  # noqa: E402
+import kungfu.monitor  # noqa: E402
+import kungfu.policies as kp  # noqa: E402
+
+flags.DEFINE_list("runs", ["small", "large", "adaptive"], "Runs, in order: small, large, adaptive, or "
+                  "fixed:GLOBAL_BATCH:LR.")
+flags.DEFINE_float("budget", 14.0, "Seconds of training per run (evaluation not counted).")
+flags.DEFINE_float("eval_every", 0.5, "Seconds of training between evaluations of the test set.")
+flags.DEFINE_integer("small_batch", 64, "Global batch of the fixed small run.")
+flags.DEFINE_float("small_lr", 0.025, "Learning rate of the fixed small run.")
+flags.DEFINE_integer("large_batch", 256, "Global batch of the fixed large run.")
+flags.DEFINE_float("large_lr", 0.05, "Learning rate of the fixed large run (from the sweep in the docstring).")
+flags.DEFINE_float("lr", 0.05, "Learning rate of the adaptive run (at its first batch, min_batch).")
+flags.DEFINE_integer("min_batch", 64, "gns_batch_size: smallest global batch (the adaptive run starts there).")
+flags.DEFINE_integer("max_batch", 1024, "gns_batch_size: largest global batch.")
+flags.DEFINE_integer("interval", 4, "gns_batch_size: decide every this many steps.")
+flags.DEFINE_integer("warmup_steps", 16, "gns_batch_size: no change before this step.")
+flags.DEFINE_integer("cooldown_steps", 8, "gns_batch_size: steps after a change before the next.")
+flags.DEFINE_float("factor", 1.0, "gns_batch_size: target global batch = factor * noise scale.")
+flags.DEFINE_float("min_gain", 0.0, "gns_batch_size: least predicted gain in time to loss for a change.")
+flags.DEFINE_integer("multiple_of", 64, "gns_batch_size: the global batch is a multiple of this (and of the "
+                     "cluster size).")
+flags.DEFINE_float("max_change", 2.0, "gns_batch_size: one change scales the batch by at most this.")
+flags.DEFINE_enum("lr_rule", "none", ["none", "linear", "sqrt", "adascale"], "gns_batch_size: how the LR "
+                  "follows the batch (none: it stays).")
+flags.DEFINE_list("targets", ["0.79", "0.80", "0.805"], "Test accuracies to time.")
+flags.DEFINE_float("main_target", 0.80, "The target of the comparison (one of --targets).")
+flags.DEFINE_integer("train_size", 50000, "Training images.")
+flags.DEFINE_integer("test_size", 8000, "Test images.")
+flags.DEFINE_integer("seed", 0, "Seed of the initial model and of the data order.")
+flags.DEFINE_integer("threads", 1, "TensorFlow threads per worker (1 suits several workers per core; 0: TF's "
+                     "default).")
+flags.DEFINE_string("out_dir", ".", "Where rank 0 writes adaptive_batch.png and adaptive_batch.md.")
+flags.DEFINE_bool("quick", False, "A smoke run: 4,000 training images, 2 s per run, targets 0.6 and 0.7.")
+FLAGS = flags.FLAGS
+
+SIDE, CLASSES, NOISE, LABEL_NOISE = 16, 10, 2.5, 0.2
+# Steps between two broadcasts of rank 0's clock (evaluate? stop?). An evaluation thus follows a step that
+# is a multiple of 4, where the policy (interval 4) has just run: the step time it reads next, 4 steps
+# later, is that of one step, not of one step and an evaluation.
+CHECK_EVERY = 4
+
+
+def log(*args):
+    if kungfu.rank() == 0:
+        print(*args, flush=True)
+
+
+# ---- the task ---------------------------------------------------------------------------------
+
+def make_images(n_train, n_test):
+    """(x_train, y_train, x_test, y_test, bayes): the same on every worker (fixed seed). bayes is the test
+    accuracy of the nearest class pattern, the best any model can do against the noisy labels."""
+    rs = np.random.RandomState(1234)
+    p = rs.normal(size=(CLASSES, SIDE + 2, SIDE + 2))  # smoothed: each pixel the mean of 5 neighbours
+    patterns = (p[:, :-2, :-2] + p[:, 1:-1, 1:-1] + p[:, 2:, 2:] + p[:, 2:, :-2] + p[:, :-2, 2:]) / np.sqrt(5)
+    n = n_train + n_test
+    clean = rs.randint(0, CLASSES, size=n)
+    x = (patterns[clean] + NOISE * rs.normal(size=(n, SIDE, SIDE))).astype(np.float32)
+    y = np.where(rs.uniform(size=n) < LABEL_NOISE, rs.randint(0, CLASSES, size=n), clean).astype(np.int32)
+    d2 = ((x[n_train:, None] - patterns[None]) ** 2).sum((-1, -2))
+    bayes = float((d2.argmin(1) == y[n_train:]).mean())
+    x = (x / np.sqrt(1 + NOISE ** 2))[..., None]  # pixels of unit variance
+    return x[:n_train], y[:n_train], x[n_train:], y[n_train:], bayes
+
+
+def make_model():
+    keras.utils.set_random_seed(FLAGS.seed)  # the same model everywhere (and broadcast anyway)
+    return keras.Sequential([
+        keras.Input((SIDE, SIDE, 1)),
+        keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+        keras.layers.MaxPooling2D(),
+        keras.layers.Conv2D(32, 3, padding="same", activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(CLASSES),
+    ])
+
+
+# ---- one run ----------------------------------------------------------------------------------
+
+def parse_run(spec):
+    """(name, global batch, lr, adaptive) of a --runs entry."""
+    if spec == "small":
+        return "fixed small", FLAGS.small_batch, FLAGS.small_lr, False
+    if spec == "large":
+        return "fixed large", FLAGS.large_batch, FLAGS.large_lr, False
+    if spec == "adaptive":
+        return "adaptive", FLAGS.min_batch, FLAGS.lr, True
+    kind, batch, lr = (spec.split(":") + ["", ""])[:3]
+    if kind != "fixed" or not batch.isdigit() or not lr:
+        raise app.UsageError(f"--runs: {spec!r} is none of small, large, adaptive, fixed:GLOBAL_BATCH:LR")
+    return f"fixed {batch} lr {lr}", int(batch), float(lr), False
+
+
+def gns_policy():
+    lr_rule = None if FLAGS.lr_rule == "none" else FLAGS.lr_rule
+    multiple_of = int(np.lcm(FLAGS.multiple_of, kungfu.size()))  # every worker gets the same share
+    return kp.gns_batch_size(FLAGS.min_batch, FLAGS.max_batch, interval=FLAGS.interval,
+                             warmup_steps=FLAGS.warmup_steps, cooldown_steps=FLAGS.cooldown_steps,
+                             factor=FLAGS.factor, min_gain=FLAGS.min_gain, max_change=FLAGS.max_change,
+                             multiple_of=multiple_of, allow_shrink=False, lr_rule=lr_rule)
+
+
+class Clock:
+    """Training time: wall time since start, less the pauses (evaluation)."""
+
+    def __init__(self):
+        self.start, self.paused = time.perf_counter(), 0.0
+
+    def now(self):
+        return time.perf_counter() - self.start - self.paused
+
+    def agreed_now(self):
+        """Rank 0's training time, on every worker (a broadcast: call it after the same step everywhere)."""
+        return float(kungfu.broadcast(tf.constant([self.now()], tf.float64), root=0).numpy()[0])
+
+
+def build(batch, lr, data):
+    """The wrapped optimizer, the dataset, the train step and the test evaluation of a run's new model."""
+    x, y, x_test, y_test = data
+    model = make_model()
+    ds = kungfu.data.AdaptiveDataset((x, y), global_batch_size=batch, seed=FLAGS.seed)
+    opt = kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(lr, momentum=0.9), monitor=["gns"],
+                                                    local_batch_size=ds.local_batch_size_variable)
+    opt.build(model.trainable_variables)
+    kungfu.broadcast_variables(model.variables + opt.variables, root=0)
+    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function(input_signature=list(ds.element_spec))  # batch dimension None: one trace for every size
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(yb, model(xb, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    xs, ys = tf.constant(x_test[kungfu.rank()::kungfu.size()]), tf.constant(y_test[kungfu.rank()::kungfu.size()])
+
+    @tf.function
+    def evaluate():  # this worker's part of the test set; the correct answers summed over the workers
+        guess = tf.argmax(model(xs, training=False), axis=1, output_type=tf.int32)
+        correct = tf.reduce_sum(tf.cast(tf.equal(guess, ys), tf.float32))
+        return kungfu.all_reduce(correct, op="sum", name="adaptive_batch/evaluate") / len(y_test)
+
+    return opt, ds, step, evaluate
+
+
+def train(spec, data):
+    """Trains one run for --budget seconds of training; returns its record: the evaluations (time, steps,
+    samples, accuracy, gns, global batch, lr) and the policy's changes (time, step, global batch, lr,
+    what it decided)."""
+    name, batch, lr, adaptive = parse_run(spec)
+    opt, ds, step, evaluate = build(batch, lr, data)
+    policy = gns_policy() if adaptive else None
+    runner = kungfu.PolicyRunner([policy], optimizer=opt, dataset=ds) if adaptive else None
+    # repeat(): one iterator for every epoch (the dataset starts the next epoch when one ends); a new
+    # iterator per epoch would cost a tf.data graph optimisation each time (0.1-1 s here).
+    batches = iter(ds.as_dataset().repeat())
+    # One step at LR 0 (SGD with momentum then changes nothing) so that TensorFlow's one-off work on the
+    # first call (graph optimisation) is not on the clock; it takes the first batch of the data.
+    opt.learning_rate.assign(0.0)
+    step(*next(batches))
+    opt.learning_rate.assign(lr)
+    evaluate()
+    warm = ds.samples_seen
+    rec = {"name": name, "evals": [], "changes": [], "adaptive": adaptive}
+
+    def record(t, steps):
+        rec["evals"].append((t, steps, ds.samples_seen - warm, float(evaluate()), kungfu.monitor.latest(opt)["gns"],
+                             ds.batch_size, float(opt.learning_rate.numpy())))
+
+    clock, steps, next_eval = Clock(), 0, FLAGS.eval_every
+    record(0.0, 0)
+    clock.start = time.perf_counter()
+    for xb, yb in batches:
+        step(xb, yb)
+        steps += 1
+        if runner is not None:
+            seen = len(runner.history)
+            runner.after_step()
+            if len(runner.history) > seen:
+                rec["changes"].append((clock.now(), steps, ds.batch_size, float(opt.learning_rate.numpy()),
+                                       policy.describe_last()))
+        if steps % CHECK_EVERY:
+            continue
+        t = clock.agreed_now()
+        if t >= next_eval or t >= FLAGS.budget:
+            paused = time.perf_counter()
+            record(t, steps)
+            clock.paused += time.perf_counter() - paused
+            next_eval = t + FLAGS.eval_every
+        if t >= FLAGS.budget:
+            rec["last"] = policy.describe_last() if policy else None
+            return rec
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+def first_reach(rec, target):
+    """(training seconds, steps) of the first evaluation at or above target, or None."""
+    return next(((e[0], e[1]) for e in rec["evals"] if e[3] >= target), None)
+
+
+def report(records, targets, main):
+    """The results as markdown lines: the table, the targets (met or NOT met) and what the policy did."""
+    cell = lambda hit: f"{hit[0]:.1f} s / {hit[1]} steps" if hit else "never"  # noqa: E731
+    lines = ["| run | global batch | LR | " + " | ".join(f"to {t:g}" for t in targets)
+             + " | final accuracy | ms per step |", "|---" * (5 + len(targets)) + "|"]
+    for r in records:
+        sizes = sorted({e[5] for e in r["evals"]})
+        batch = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]} -> {sizes[-1]}"
+        lrs = sorted({round(e[6], 5) for e in r["evals"]})
+        lr = f"{lrs[0]:g}" if len(lrs) == 1 else f"{lrs[0]:g} -> {lrs[-1]:g}"
+        hits = " | ".join(cell(first_reach(r, t)) for t in targets)
+        last = r["evals"][-1]
+        lines.append(f"| {r['name']} | {batch} | {lr} | {hits} | {last[3]:.3f} | {1e3 * last[0] / last[1]:.0f} |")
+    lines.append("")
+    adaptive = [r for r in records if r["adaptive"]]
+    fixed = [r for r in records if not r["adaptive"]]
+    if adaptive and fixed:
+        lines += verdict(adaptive[0], fixed, main)
+    for r in adaptive:
+        lines += ["", *story(r)]
+    return lines
+
+
+def verdict(ad, fixed, main):
+    """The times to main, adaptive against the fastest fixed run there, and the issue's two targets."""
+    reached = [(first_reach(r, main), r) for r in fixed if first_reach(r, main)]
+    best = min(reached, key=lambda hr: hr[0][0]) if reached else None
+    mine = first_reach(ad, main)
+    if best is None:
+        ratio = "no fixed run reached it" + (f"; adaptive did, in {mine[0]:.1f} s" if mine else ", nor did adaptive")
+        met = mine is not None
+    elif mine is None:
+        ratio, met = f"adaptive never reached it; {best[1]['name']} did in {best[0][0]:.1f} s", False
+    else:
+        x = mine[0] / best[0][0]
+        ratio, met = f"{x:.2f}x ({mine[0]:.1f} s against {best[1]['name']}'s {best[0][0]:.1f} s)", x <= 0.75
+    times = ", ".join(f"{r['name']} " + (f"{h[0]:.1f} s" if h else "never")
+                      for r, h in ((r, first_reach(r, main)) for r in fixed + [ad]))
+    small = min(fixed, key=lambda r: r["evals"][0][5])  # the smallest fixed batch
+    fa, fs = ad["evals"][-1][3], small["evals"][-1][3]
+    return [f"Training time to test accuracy {main:g}: {times}.",
+            f"Adaptive / best fixed run, training time to {main:g}: {ratio}.",
+            f"- Target: adaptive reaches {main:g} in <= 0.75x the time of the best fixed batch: "
+            f"{'met' if met else 'NOT met'}.",
+            f"- Target: final accuracy no worse than the smallest fixed batch's ({small['name']}): "
+            f"{'met' if fa >= fs else 'NOT met'} ({fa:.3f} against {fs:.3f})."]
+
+
+def story(rec):
+    """What the policy changed and when, and the noise scale it saw, in words."""
+    ev = rec["evals"]
+    gns = [(e[0], e[4]) for e in ev if e[4] > 0]
+    seen = ", ".join(f"{g:.0f} at {t:.1f} s" for t, g in gns[::max(1, len(gns) // 5)])
+    made = f"made {len(rec['changes'])} change(s):" if rec["changes"] else "changed nothing."
+    lines = [f"What the policy did in the adaptive run: it started at global batch {ev[0][5]} "
+             f"(LR {ev[0][6]:g}) and {made}"]
+    for t, _, _, _, said in rec["changes"]:
+        lines.append(f"- {t:.1f} s, {said}")
+    lines.append(f"Its last decision: {rec['last']}.")
+    lines.append(f"The noise scale (gns, in samples) it read: {seen}; at the end {ev[-1][4]:.0f}, "
+                 f"with the batch at {ev[-1][5]} and the LR at {ev[-1][6]:g}.")
+    return lines
+
+
+def plot(records, main, bayes, path):
+    """Four panels over training time: the global batch, the noise scale, the LR and the test accuracy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
+
+    fig, axes = plt.subplots(4, 1, figsize=(8, 10), sharex=True)
+    for r in records:
+        ev = np.array(r["evals"], dtype=np.float64)
+        # batch and LR: from the changes themselves (when they happened), held to the end
+        controls = np.array([(0.0, ev[0, 5], ev[0, 6])] + [c[0:1] + c[2:4] for c in r["changes"]]
+                            + [(ev[-1, 0], ev[-1, 5], ev[-1, 6])])
+        axes[0].plot(controls[:, 0], controls[:, 1], drawstyle="steps-post", label=r["name"])
+        known = ev[:, 4] > 0  # 0: no estimate yet
+        axes[1].plot(ev[known, 0], ev[known, 4])
+        axes[2].plot(controls[:, 0], controls[:, 2], drawstyle="steps-post")
+        axes[3].plot(ev[:, 0], ev[:, 3], marker=".", ms=3)
+    for ax, label in zip(axes, ["global batch size", "gradient noise scale (samples)", "learning rate",
+                                "test accuracy"]):
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].set_yscale("log", base=2)
+    axes[1].set_yscale("log")
+    axes[0].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axes[1].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axes[1].yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
+    axes[3].axhline(main, color="gray", lw=0.8, ls="--", label=f"target {main:g}")
+    axes[3].axhline(bayes, color="gray", lw=0.8, ls=":", label=f"best possible {bayes:.3f}")
+    axes[3].set_ylim(main - 0.1, max(main, bayes) + 0.02)
+    axes[3].legend(loc="lower right")
+    axes[3].set_xlabel("training time, s (evaluation not counted)")
+    axes[0].legend()
+    axes[0].set_title(f"KungFu: fixed and adaptive batch size, {kungfu.size()} workers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+def main(argv):
+    del argv
+    if FLAGS.quick:
+        FLAGS.train_size, FLAGS.test_size, FLAGS.budget = 4000, 1000, 2.0
+        FLAGS.targets, FLAGS.main_target = ["0.6", "0.7"], 0.7
+    targets = sorted(float(t) for t in FLAGS.targets)
+    if FLAGS.main_target not in targets:
+        raise app.UsageError(f"--main_target={FLAGS.main_target} is not one of --targets={FLAGS.targets}")
+    if FLAGS.threads:
+        tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
+        tf.config.threading.set_inter_op_parallelism_threads(FLAGS.threads)
+    kungfu.init()
+    start = time.time()
+    x, y, x_test, y_test, bayes = make_images(FLAGS.train_size, FLAGS.test_size)
+    log(f"{kungfu.size()} workers; {len(x)} training and {len(x_test)} test images, best possible test accuracy "
+        f"{bayes:.3f}; {FLAGS.budget:g} s of training per run; load average {os.getloadavg()[0]:.1f}")
+    records = []
+    for spec in FLAGS.runs:
+        rec = train(spec, (x, y, x_test, y_test))
+        last = rec["evals"][-1]
+        log(f"{rec['name']}: {last[1]} steps, {last[2]} samples in {last[0]:.1f} s of training, batch {last[5]}, "
+            f"final test accuracy {last[3]:.3f}")
+        records.append(rec)
+    if kungfu.rank() != 0:
+        return
+    lines = report(records, targets, FLAGS.main_target)
+    load = os.getloadavg()
+    print("\n" + "\n".join(lines) + f"\n\nThe whole launch took {time.time() - start:.0f} s; load average "
+          f"{load[0]:.1f} (1 min), {load[1]:.1f} (5 min) on {os.cpu_count()} cores.", flush=True)
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    png, md = os.path.join(FLAGS.out_dir, "adaptive_batch.png"), os.path.join(FLAGS.out_dir, "adaptive_batch.md")
+    plot(records, FLAGS.main_target, bayes, png)
+    with open(md, "w") as f:
+        f.write(f"# Adaptive batch size, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
+                f"{kungfu.size()} workers, {os.cpu_count()} cores, load average {load[0]:.1f}; best possible test "
+                f"accuracy {bayes:.3f}; {FLAGS.budget:g} s of training per run.\n\n" + "\n".join(lines)
+                + "\n\n![adaptive batch](adaptive_batch.png)\n")
+    print(f"wrote {png} and {md}", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
