@@ -27,7 +27,7 @@ STRATEGIES = {"ssgd": (ssgd,)}  # strategy -> its passes, applied in order
 
 
 def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, monitors=None, monitor_interval=1, local_batch_size=None,
-            policies=None, optimizer=None, dataset=None, batch_size=None):
+            monitor_alpha=_monitor.DEFAULT_ALPHA, policies=None, optimizer=None, dataset=None, batch_size=None):
     """Returns fn with KungFu collectives inserted on its gradients; fn's code does not change.
 
     fn: a training step (a tf.function, or a Python function, which is wrapped in one) that computes
@@ -39,7 +39,8 @@ def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, monitors=None, monitor_in
     monitors: None or a list from "gns", "variance", "snr", computed every monitor_interval calls as
     the optimizer wrappers compute them; read them with kungfu.monitor.latest(step) (or the step's
     name). local_batch_size: this worker's batch size (a number or a tf.Variable), needed for "gns"
-    and "snr", and for samples_per_sec. See docs/monitoring.md.
+    and "snr", and for samples_per_sec. monitor_alpha: the EMA weight of a new noise-scale estimate, in
+    (0, 1]. See docs/monitoring.md.
     policies: None or a list of compilable kungfu.policies (the built-in ones), compiled into the step:
     after the step's update, each one's after_step runs as ops under a tf.cond every policy.interval
     calls, reading the monitors and assigning the controls: the learning rate of optimizer=, the batch
@@ -58,7 +59,8 @@ def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, monitors=None, monitor_in
     if not callable(fn):
         raise TypeError(f"kungfu.rewrite: fn must be a tf.function or a Python function, got {type(fn).__name__}")
     try:
-        names, monitor_interval = _monitor.check_arguments(monitors, monitor_interval, local_batch_size)
+        names, monitor_interval = _monitor.check_arguments(monitors, monitor_interval, local_batch_size,
+                                                           monitor_alpha)
     except ValueError as e:
         raise ValueError(f"kungfu.rewrite: {e}") from None
     options = {"fusion_bytes": fusion_bytes}
@@ -66,7 +68,7 @@ def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, monitors=None, monitor_in
     if monitors is not None:
         options.update(monitors=names, monitor_interval=monitor_interval, local_batch_size=local_batch_size)
         name = getattr(fn, "__name__", None) or "step"
-        passes = tuple(MonitoredSSGD(names, monitor_interval, local_batch_size, name) if p is ssgd else p
+        passes = tuple(MonitoredSSGD(names, monitor_interval, local_batch_size, name, monitor_alpha) if p is ssgd else p
                        for p in passes)
     compiled = None
     if policies is not None:
