@@ -77,7 +77,6 @@ class PolicyRunner:
         self.stopped = False
         self.history = []
         self._key = f"kungfu/policy/{name if name is not None else next(_ids)}"
-        self._epoch_open = False
 
     def before_train(self, logs=None):
         self._run("before_train", logs)
@@ -86,7 +85,6 @@ class PolicyRunner:
         """epoch: its index (Keras passes it); by default the runner's own count, from 0."""
         if epoch is not None:
             self.epoch = int(epoch)
-        self._epoch_open = True
         self._run("before_epoch", logs)
 
     def before_step(self, logs=None):
@@ -102,12 +100,9 @@ class PolicyRunner:
 
     def after_epoch(self, logs=None):
         self._run("after_epoch", logs)
-        self._epoch_open = False
         self.epoch += 1
 
     def after_train(self, logs=None):
-        if self._epoch_open:  # stopped in the middle of an epoch: the epoch count stays where it was
-            self._epoch_open = False
         self._run("after_train", logs)
 
     # ---- one hook call ------------------------------------------------------------------------
