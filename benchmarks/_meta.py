@@ -1,6 +1,7 @@
 """What every benchmark report starts with (when, on what machine, which software) and how it is written.
 
-Shared by allreduce.py, training.py and monitoring.py; each adds its own software and plan lines.
+Shared by allreduce.py, training.py, monitoring.py and policies.py; each adds its own software and plan lines.
+monitoring.py and policies.py also share how a round is launched (launch_round, read_ranks).
 """
 import datetime
 import os
@@ -59,3 +60,43 @@ def publish(text, out):
         with open(out, 'w') as f:
             f.write(text)
         print('written to ' + out)
+
+
+def read_ranks(out_dir, ranks=2):
+    """The rank<r>.json results of a launch, in rank order, or None while any is missing."""
+    import json
+    paths = [os.path.join(out_dir, 'rank%d.json' % r) for r in range(ranks)]
+    if not all(os.path.exists(p) for p in paths):
+        return None
+    out = []
+    for p in paths:
+        with open(p) as f:
+            out.append(json.load(f))
+    return out
+
+
+def launch_round(r, worker, plan, out_dir, launcher, kungfu_timeout, timeout, plan_env):
+    """Round r: one `kfrun -np 2` launch of worker (a path) with plan (JSON in plan_env), killed after timeout
+    seconds; returns (per-rank results or None, why it failed, output tail). Shared by monitoring.py and
+    policies.py."""
+    import json
+    import sys
+    import time
+    from _allreduce import launch
+    first = 20000 + ((os.getpid() + r) % 500) * 20  # away from kfrun's default range and the tests' ports
+    argv = launcher.split() + ['-np', '2', '--port-range', '%d-%d' % (first, first + 19), '--timeout',
+                               str(kungfu_timeout), '--grace', '5', '--', sys.executable, worker]
+    env = dict(os.environ, PYTHONUNBUFFERED='1', **{plan_env: json.dumps(plan)})
+    env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
+    print('[%s] round %d: %s (deadline %.0f s, load %s)' % (
+        time.strftime('%H:%M:%S'), r + 1, ', '.join(c['key'] for c in plan['configs']), timeout, load_average()),
+        flush=True)
+    t0 = time.monotonic()
+    _, why, tail = launch.run_group([argv], [env], out_dir, timeout, done=lambda: read_ranks(out_dir) is not None)
+    per_rank = read_ranks(out_dir)
+    if per_rank is None:
+        why = why or 'no results written'
+        print('    failed: %s\n%s' % (why, tail), flush=True)
+        return None, why, tail
+    print('    done in %.0f s%s' % (time.monotonic() - t0, ' (%s)' % why if why else ''), flush=True)
+    return per_rank, '', ''

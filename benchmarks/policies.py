@@ -16,18 +16,15 @@ changes the batch: every configuration trains the same sizes. The default model 
 so that the step is short and a policy's cost per step is not lost in its noise. The table is printed
 and written to --out.
 """
-import json
 import os
 import platform
 import sys
 import tempfile
-import time
 
 from absl import app
 from absl import flags
 
 import _meta
-from _allreduce import launch
 from _policies import report
 from _training import common
 
@@ -63,42 +60,14 @@ def launch_timeout(plan):
     return 120 + len(plan['configs']) * (30 + steps * SECONDS_PER_STEP_BOUND)
 
 
-def read_ranks(out_dir, ranks=2):
-    paths = [os.path.join(out_dir, 'rank%d.json' % r) for r in range(ranks)]
-    if not all(os.path.exists(p) for p in paths):
-        return None
-    out = []
-    for p in paths:
-        with open(p) as f:
-            out.append(json.load(f))
-    return out
-
-
 def run_round(r, work_dir):
     """One launch training every configuration; returns (per-rank results or None, why, output tail)."""
     out_dir = tempfile.mkdtemp(prefix='round%d-' % r, dir=work_dir)
     configs = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
     plan = dict(model=FLAGS.model, steps=_flag('steps'), epochs=_flag('epochs'), warmup=FLAGS.warmup,
                 configs=configs, out_dir=out_dir)
-    first = 20000 + ((os.getpid() + r) % 500) * 20  # away from kfrun's default range and the tests' ports
-    argv = FLAGS.launcher.split() + ['-np', '2', '--port-range', '%d-%d' % (first, first + 19), '--timeout',
-                                     str(FLAGS.kungfu_timeout), '--grace', '5', '--', sys.executable,
-                                     os.path.join(HERE, '_policies', 'worker.py')]
-    env = dict(os.environ, PYTHONUNBUFFERED='1', **{common.PLAN_ENV: json.dumps(plan)})
-    env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
-    timeout = launch_timeout(plan)
-    print('[%s] round %d: %s (deadline %.0f s, load %s)' % (
-        time.strftime('%H:%M:%S'), r + 1, ', '.join(c['key'] for c in configs), timeout, _meta.load_average()),
-        flush=True)
-    t0 = time.monotonic()
-    _, why, tail = launch.run_group([argv], [env], out_dir, timeout, done=lambda: read_ranks(out_dir) is not None)
-    per_rank = read_ranks(out_dir)
-    if per_rank is None:
-        why = why or 'no results written'
-        print('    failed: %s\n%s' % (why, tail), flush=True)
-        return None, why, tail
-    print('    done in %.0f s%s' % (time.monotonic() - t0, ' (%s)' % why if why else ''), flush=True)
-    return per_rank, '', ''
+    return _meta.launch_round(r, os.path.join(HERE, '_policies', 'worker.py'), plan, out_dir, FLAGS.launcher,
+                              FLAGS.kungfu_timeout, launch_timeout(plan), common.PLAN_ENV)
 
 
 def measure(work_dir, rounds):
