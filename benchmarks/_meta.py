@@ -75,17 +75,17 @@ def read_ranks(out_dir, ranks=2):
     return out
 
 
-def launch_round(r, worker, plan, out_dir, launcher, kungfu_timeout, timeout, plan_env):
-    """Round r: one `kfrun -np 2` launch of worker (a path) with plan (JSON in plan_env), killed after timeout
-    seconds; returns (per-rank results or None, why it failed, output tail). Shared by monitoring.py and
-    policies.py."""
+def launch_round(r, worker, plan, out_dir, launcher, kungfu_timeout, timeout, plan_env, bind_to='none'):
+    """Round r: one `kfrun -np 2 --bind-to bind_to` launch of worker (a path) with plan (JSON in plan_env),
+    killed after timeout seconds; returns (per-rank results or None, why it failed, output tail). Shared by
+    monitoring.py and policies.py."""
     import json
     import sys
     import time
     from _allreduce import launch
     first = 20000 + ((os.getpid() + r) % 500) * 20  # away from kfrun's default range and the tests' ports
     argv = launcher.split() + ['-np', '2', '--port-range', '%d-%d' % (first, first + 19), '--timeout',
-                               str(kungfu_timeout), '--grace', '5', '--', sys.executable, worker]
+                               str(kungfu_timeout), '--grace', '5', '--bind-to', bind_to, '--', sys.executable, worker]
     env = dict(os.environ, PYTHONUNBUFFERED='1', **{plan_env: json.dumps(plan)})
     env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
     print('[%s] round %d: %s (deadline %.0f s, load %s)' % (

@@ -45,6 +45,8 @@ flags.DEFINE_integer('warmup', 2, 'untimed epochs per configuration and round be
 flags.DEFINE_integer('rounds', 6, 'kfrun launches, each training every configuration (6: each in each position once)')
 flags.DEFINE_bool('quick', False, 'smoke run: defaults --epochs=3 --rounds=1')
 flags.DEFINE_float('kungfu_timeout', 120, 'kfrun --timeout: seconds any KungFu wait may take')
+flags.DEFINE_enum('bind_to', 'core', ['none', 'core'], 'kfrun --bind-to: core gives each worker its own '
+                  'core(s), as two workers on dedicated machines would have; none lets them float')
 flags.DEFINE_string('launcher', sys.executable + ' -m kungfu.launcher', 'how to start kungfu workers')
 flags.DEFINE_string('out', os.path.join(HERE, 'results', 'policies.md'), 'markdown report path; empty to skip')
 
@@ -67,7 +69,7 @@ def run_round(r, work_dir):
     plan = dict(model=FLAGS.model, steps=_flag('steps'), epochs=_flag('epochs'), warmup=FLAGS.warmup,
                 configs=configs, out_dir=out_dir)
     return _meta.launch_round(r, os.path.join(HERE, '_policies', 'worker.py'), plan, out_dir, FLAGS.launcher,
-                              FLAGS.kungfu_timeout, launch_timeout(plan), common.PLAN_ENV)
+                              FLAGS.kungfu_timeout, launch_timeout(plan), common.PLAN_ENV, FLAGS.bind_to)
 
 
 def measure(work_dir, rounds):
@@ -101,6 +103,8 @@ def run_meta(rounds):
         ('plan', '%s, global batch %d on 2 workers; per configuration and round %d warm-up + %d timed epochs '
                  'of %d steps; %d round(s)%s' % (FLAGS.model, 64, FLAGS.warmup, _flag('epochs'), _flag('steps'),
                                                  rounds, ' (--quick)' if FLAGS.quick else '')),
+        ('binding', 'kfrun --bind-to %s%s' % (FLAGS.bind_to, ': each worker on its own share of the cores'
+                                            if FLAGS.bind_to == 'core' else ': the workers float over every core')),
     ]
 
 

@@ -102,11 +102,13 @@ def init():
     cannot start.
     """
     global _cluster, _atexit_registered
+    from . import _bind
     from . import _env
 
     with _lock:
         if _cluster is not None:
             return
+        bind_to = _bind.check_mode(os.environ.get(_bind.ENV, "none"))
         try:
             cluster = _env.resolve_cluster()
         except TimeoutError as e:
@@ -115,6 +117,7 @@ def init():
             raise errors.PeerError(f"kungfu.init: rendezvous failed: {e}") from e
         except OSError as e:  # e.g. rank 0 cannot bind the rendezvous port
             raise errors.EngineError(f"kungfu.init: rendezvous failed: {e}") from e
+        _bind.bind(bind_to, cluster.local_rank, cluster.local_size)  # before the engine starts its threads
         lib = load()
         err = ctypes.create_string_buffer(_ERR_LEN)
         code = lib.c.kungfu_init(",".join(cluster.peers).encode(), cluster.rank, cluster.token.encode(),

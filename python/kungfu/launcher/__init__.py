@@ -45,7 +45,7 @@ def run(argv):
     except UsageError as e:
         return _usage_error(e)
     token = secrets.token_hex(32)
-    envs = [plan.worker_env(s, specs, token, opts.timeout) for s in specs]
+    envs = [plan.worker_env(s, specs, token, opts.timeout, bind_to=opts.bind_to) for s in specs]
     printer = output.LinePrinter()
     try:
         return Supervisor(specs, opts.command, envs, opts, printer).run()

@@ -34,6 +34,7 @@ class Options:
     kill_after: float  # from SIGTERM to SIGKILL
     port_range: tuple  # (first, last) engine port, inclusive
     forward_env: dict  # extra variables for remote workers (-x)
+    bind_to: str  # KUNGFU_BIND_TO: "none", or "core" (each worker its share of its machine's cores)
     command: list  # the worker command line
 
 
@@ -49,6 +50,9 @@ def _define_flags():
         "(default: timeout + 10).", flag_values=fv)
     flags.DEFINE_float("kill-after", 5.0, "Seconds from SIGTERM to SIGKILL.", flag_values=fv)
     flags.DEFINE_string("port-range", plan.DEFAULT_PORT_RANGE, "Engine ports A-B to pick from.", flag_values=fv)
+    flags.DEFINE_enum(
+        "bind-to", "none", ["none", "core"], "core: bind each worker to its share of its machine's cores "
+        "(like mpirun --bind-to core); none: let them float.", flag_values=fv)
     flags.DEFINE_multi_string(
         "x", [], "NAME or NAME=VALUE: set this variable for remote workers too (local workers inherit "
         "kfrun's environment). Repeatable.", flag_values=fv)
@@ -120,5 +124,6 @@ def parse_args(argv):
         kill_after=_positive("kill-after", fv["kill-after"].value),
         port_range=plan.parse_port_range(fv["port-range"].value),
         forward_env=_forward_env(fv.x),
+        bind_to=fv["bind-to"].value,
         command=command,
     )

@@ -108,11 +108,14 @@ def plan_workers(hosts, np, port_range, local_check=hosts_lib.is_local, port_fre
 WORKER_DEFAULTS = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
 
-def worker_env(spec, workers, token, timeout, environ=None):
+def worker_env(spec, workers, token, timeout, environ=None, bind_to="none"):
     """The variables of one worker: the KUNGFU_* contract read by kungfu._env.resolve_cluster, plus
-    WORKER_DEFAULTS not already set in environ (default: os.environ)."""
+    WORKER_DEFAULTS not already set in environ (default: os.environ), plus KUNGFU_BIND_TO unless bind_to
+    is "none" (so that a worker started with "none" keeps whatever binding its environment asks for)."""
     environ = os.environ if environ is None else environ
     defaults = {k: v for k, v in WORKER_DEFAULTS.items() if k not in environ}
+    if bind_to != "none":
+        defaults["KUNGFU_BIND_TO"] = bind_to
     return {**defaults,
         "KUNGFU_PEERS": ",".join(w.addr for w in workers),
         "KUNGFU_RANK": str(spec.rank),
