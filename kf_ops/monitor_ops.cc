@@ -51,6 +51,47 @@ process-wide registry under `key`. Non-finite inputs or estimates leave the EMAs
 estimates are averaged in. gns is 0 ("no estimate yet") unless both EMAs are positive and the ratio is
 finite. g_sq and trace are the EMAs (0 before the first estimate). Needs b_big > b_small > 0.)doc");
 
+REGISTER_OP("KfMonitorRecord")
+    .Input("small_sq: float")
+    .Input("big_sq: float")
+    .Input("spread_sq: float")
+    .Input("b_small: float")
+    .Input("b_big: float")
+    .Input("snr_batch: float")
+    .Input("valid: bool")
+    .Output("values: float")
+    .Attr("key: string")
+    .Attr("alpha: float = 0.1")
+    .Attr("gns: bool = true")
+    .Attr("variance: bool = true")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      for (int i = 0; i < c->num_inputs(); ++i) TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &unused));
+      c->set_output(0, c->Vector(5));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(A monitored step's bookkeeping in one op: [gns, g_sq, trace, snr, grad_variance].
+With gns: KfGradientNoiseScale's EMAs under `key` from small_sq at b_small and big_sq at b_big, and
+snr = g_sq * snr_batch / trace (0 unless both are positive). With variance: max(spread_sq - big_sq, 0),
+spread_sq being the mean over workers of their squared norms. valid false leaves the EMAs and the
+variance as they were. What the attrs leave out is 0. Needs b_big > b_small > 0 when gns is set.)doc");
+
+REGISTER_OP("KfStepClock")
+    .Input("samples: float")
+    .Output("values: float")
+    .Attr("key: string")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 0, &unused));
+      c->set_output(0, c->Vector(2));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc([step_time, samples_per_sec]: the seconds (steady clock) since the previous call with the
+same key, and samples over them (0 when samples is 0). Both are 0 until a second call. The previous
+call's time lives in the registry under `key`; KfResetMonitor forgets it.)doc");
+
 REGISTER_OP("KfSquaredNorm")
     .Input("tensors: T")
     .Output("sq_norm: float")

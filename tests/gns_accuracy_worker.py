@@ -67,7 +67,7 @@ def run(b_small):
             grad = g_true + std * tf.random.stateless_normal([DIM], seed=seed)
             opt.apply_gradients([(grad, var)])
             if step >= STEPS - TAIL:
-                tail += m.grad_variance.read_value()
+                tail += m.read("grad_variance")
         return tail / TAIL
 
     tail = float(train())
@@ -93,7 +93,7 @@ def run_rewrite(b_small):
     for t in range(STEPS):
         step(tf.constant([1000 * b_small + rank, t], tf.int32))  # the same noise as run()'s
         if t >= STEPS - TAIL:
-            tail += float(step.monitors.grad_variance.numpy())
+            tail += float(step.monitors.read("grad_variance").numpy())
     if step.rewrite_count != 1:
         raise AssertionError(f"the step was rewritten {step.rewrite_count} times")
     inserted = step.report(tf.constant([0, 0], tf.int32)).inserted
@@ -123,14 +123,14 @@ def check(b_small, rewrite=False):
         if m.update_count() != STEPS:
             raise AssertionError(f"the monitors ran {m.update_count()} times in {STEPS} steps")
         report = [
-            within("|G|^2", float(m.g_sq.numpy()), G_SQ),
-            within("tr Sigma", float(m.trace.numpy()), TRACE),
+            within("|G|^2", float(m.read("g_sq").numpy()), G_SQ),
+            within("tr Sigma", float(m.read("trace").numpy()), TRACE),
             within("gns", got["gns"], TRACE / G_SQ),
             within("snr", got["snr"], G_SQ * b_big / TRACE),
             within("grad_variance", tail, TRACE * (1.0 / b_small - 1.0 / b_big)),
         ]
         print(f"gns accuracy N={kungfu.size()} B_small={b_small}: " + ", ".join(report), flush=True)
-        values = np.array([got["gns"], got["snr"], float(m.g_sq.numpy()), float(m.trace.numpy())], np.float32)
+        values = np.array([got["gns"], got["snr"], float(m.read("g_sq").numpy()), float(m.read("trace").numpy())], np.float32)
         if not bool(kungfu.consensus(values)):
             raise AssertionError(f"workers differ on (gns, snr, |G|^2, tr Sigma): {values.tolist()}")
         if rewrite:  # the same gradients through the optimizer wrapper give the same numbers

@@ -84,8 +84,8 @@ def gns_matches_reference():
         mean_local = float(np.mean(kungfu.all_gather(tf.reshape(local_sq, [1])).numpy().astype(np.float64)))
         gns, g_sq, trace = ref.update(mean_local, float(global_sq), b, n * b)
         got = kungfu.monitor.latest(opt)
-        close(float(m.g_sq.numpy()), g_sq, f"step {t} EMA |G|^2")
-        close(float(m.trace.numpy()), trace, f"step {t} EMA tr Sigma")
+        close(float(m.read("g_sq").numpy()), g_sq, f"step {t} EMA |G|^2")
+        close(float(m.read("trace").numpy()), trace, f"step {t} EMA tr Sigma")
         close(got["gns"], gns, f"step {t} gns")
         close(got["grad_variance"], max(mean_local - float(global_sq), 0.0), f"step {t} grad_variance")
         want_snr = g_sq * n * b / trace if g_sq > 0 and trace > 0 else 0.0
@@ -137,7 +137,7 @@ def interval_runs_every_k_steps_without_retrace():
         step(x, y)
         if t == 0:
             first = len(traces)
-        now = float(m.grad_variance.numpy())
+        now = float(m.read("grad_variance").numpy())
         changed = before is None or now != before
         if changed != (t % k == 0):
             raise AssertionError(f"step {t}: grad_variance {'changed' if changed else 'stayed'} "

@@ -254,3 +254,73 @@ class HelpersTest(tf.test.TestCase):
 
 if __name__ == "__main__":
     tf.test.main()
+
+
+class RecordStepTest(tf.test.TestCase):
+    """KfMonitorRecord: one op giving what gradient_noise_scale, snr and gradient_variance give apart."""
+
+    def setUp(self):
+        super().setUp()
+        self.key, self.apart = f"test/{self.id()}", f"test/{self.id()}/apart"
+        for k in (self.key, self.apart):
+            monitor.reset_monitor(k)
+
+    def test_equals_the_separate_functions_step_by_step(self):
+        rng = np.random.default_rng(7)
+        last_variance = 0.0
+        for t in range(200):
+            b = float(rng.integers(1, 64))
+            big = float(rng.uniform(0.1, 2.0))
+            small = big + float(rng.uniform(-0.5, 3.0))  # some negative estimates
+            spread = big + float(rng.uniform(-0.2, 1.0))  # some negative variances (clipped to 0)
+            if t % 17 == 5:
+                small = float("nan")  # skipped by the EMAs, as the separate op skips it
+            valid = t % 11 != 3
+            got = monitor.record_step(small, big, spread, b, 4 * b, 4 * b, self.key, alpha=0.2, valid=valid)
+            apart = monitor.gradient_noise_scale(small if valid else float("nan"), big, b, 4 * b, self.apart, 0.2)
+            if valid:
+                last_variance = float(monitor.gradient_variance(spread, big))
+            want = [apart["gns"], apart["g_sq"], apart["trace"], monitor.snr(apart["g_sq"], apart["trace"], 4 * b),
+                    last_variance]
+            self.assertEqual(got.shape, (5,))
+            self.assertAllClose(got, want, rtol=1e-5, atol=1e-6, msg=f"step {t}")
+
+    def test_only_what_is_asked_and_errors(self):
+        got = monitor.record_step(1.0, 0.5, 2.0, 8, 32, 32, self.key, gns=False, variance=True)
+        self.assertAllClose(got, [0, 0, 0, 0, 1.5])
+        got = monitor.record_step(1.0, 0.5, 2.0, 8, 32, 32, self.key, gns=True, variance=False)
+        self.assertAllClose(got, [16.0, 1 / 3, 16 / 3, 2.0, 0], rtol=1e-6)
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, "needs b_big > b_small > 0, got b_small=8 b_big=8"):
+            monitor.record_step(1.0, 0.5, 2.0, 8, 8, 8, self.key)
+        with self.assertRaisesRegex(ValueError, r"alpha must be a number in \(0, 1\]"):
+            monitor.record_step(1.0, 0.5, 2.0, 8, 32, 32, self.key, alpha=0)
+
+    def test_in_a_function_with_a_tensor_valid(self):
+        step = tf.function(lambda valid: monitor.record_step(1.0, 0.5, 2.0, 8.0, 32.0, 32.0, self.key, valid=valid))
+        self.assertAllClose(step(tf.constant(False)), [0, 0, 0, 0, 0])  # nothing accepted yet
+        self.assertAllClose(step(tf.constant(True)), [16.0, 1 / 3, 16 / 3, 2.0, 1.5], rtol=1e-6)
+
+
+class StepClockTest(tf.test.TestCase):
+
+    def setUp(self):
+        super().setUp()
+        self.key = f"test/{self.id()}"
+        monitor.reset_monitor(self.key)
+
+    def test_times_the_gap_between_calls(self):
+        import time
+        self.assertAllEqual(monitor.step_clock(64.0, self.key), [0.0, 0.0])  # no previous call
+        time.sleep(0.05)
+        step_time, rate = monitor.step_clock(64.0, self.key).numpy()
+        self.assertBetween(step_time, 0.05, 2.0)
+        self.assertAllClose(rate, 64.0 / step_time, rtol=1e-5)
+        monitor.reset_monitor(self.key)  # forgets the previous call
+        self.assertAllEqual(monitor.step_clock(64.0, self.key), [0.0, 0.0])
+
+    def test_without_samples_the_rate_stays_0(self):
+        clock = tf.function(lambda: monitor.step_clock(0.0, self.key))
+        clock()
+        step_time, rate = clock().numpy()
+        self.assertGreater(step_time, 0.0)
+        self.assertEqual(rate, 0.0)

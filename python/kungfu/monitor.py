@@ -137,9 +137,9 @@ class Monitors:
             def var(v, dtype=tf.float32):
                 return tf.Variable(v, trainable=False, dtype=dtype, name="kungfu_monitor")
 
-            self.gns, self.g_sq, self.trace, self.snr, self.grad_variance = (var(0.0) for _ in range(5))
-            self.step_time, self.samples_per_sec = var(0.0), var(0.0)
-            self.last_time = var(0.0, tf.float64)  # tf.timestamp() of the previous apply(); 0: none yet
+            # One vector per op that writes them, so that a step assigns each with one op.
+            self.estimates = var(tf.zeros([len(_ops.RECORD_FIELDS)]))  # _ops.RECORD_FIELDS, in order
+            self.clock = var(tf.zeros([len(_ops.CLOCK_FIELDS)]))  # _ops.CLOCK_FIELDS: step_time, samples_per_sec
             self.updates = var(0, tf.int64)  # how many times the gradient monitors ran (update_count())
         with _lock:
             _registry.append(weakref.ref(self))
@@ -157,21 +157,19 @@ class Monitors:
     def set_local_batch_size(self, n):
         return self.batch.assign(tf.cast(_check_batch(n), self.batch.dtype))
 
+    def read(self, field):
+        """The latest value of one field (of _ops.RECORD_FIELDS or _ops.CLOCK_FIELDS) as a float32 tensor."""
+        if field in _ops.CLOCK_FIELDS:
+            return self.clock.read_value()[_ops.CLOCK_FIELDS.index(field)]
+        return self.estimates.read_value()[_ops.RECORD_FIELDS.index(field)]
+
     def tick(self, grads):
-        """Throughput: the time since the previous apply(), taken once this step's gradients exist."""
+        """Throughput: the time since the previous apply(), taken once this step's gradients exist (one
+        KfStepClock op)."""
         deps = [g.values if isinstance(g, tf.IndexedSlices) else g for g in grads if g is not None]
+        samples = tf.cast(_lib.size(), tf.float32) * self._batch_after(deps) if self.has_batch else 0.0
         with tf.control_dependencies(deps):
-            now = tf.timestamp()
-        last = self.last_time.read_value()
-        dt = now - last
-        ok = (last > 0) & (dt > 0)
-        step_time = tf.where(ok, tf.cast(dt, tf.float32), self.step_time.read_value())
-        self.step_time.assign(step_time)
-        samples = tf.cast(_lib.size(), tf.float32) * self._batch_after(deps)
-        if self.has_batch:
-            self.samples_per_sec.assign(tf.where(ok, samples / tf.where(ok, step_time, 1.0),
-                                                 self.samples_per_sec.read_value()))
-        self.last_time.assign(now)
+            self.clock.assign(_ops.step_clock(samples, self.key))
 
     def due(self, iterations):
         """Whether the gradient monitors run at this step: the Python True with interval 1 (so no
@@ -238,33 +236,27 @@ class Monitors:
         _when(self.due(step + 1), keep)
 
     def _record(self, small_sq, big_sq, spread_sq, b, b_big, snr_batch, valid=True):
-        """Assigns the monitors from one step's squared norms: small_sq of a gradient at batch b, big_sq
-        of the mean gradient at b_big, spread_sq the mean squared norm of the gradients averaged (for the
-        variance), snr_batch the batch of the applied gradient. valid (a bool tensor) false: the EMAs,
-        gns and grad_variance stay as they were; snr is recomputed from the EMAs for snr_batch."""
-        if "variance" in self.names:
-            v = _ops.gradient_variance(spread_sq, big_sq)
-            self.grad_variance.assign(v if valid is True else tf.where(valid, v, self.grad_variance.read_value()))
-        if {"gns", "snr"} & self.names:
-            if valid is not True:  # a NaN norm leaves the EMAs as they were
-                small_sq = tf.where(valid, small_sq, tf.constant(float("nan"), tf.float32))
-            r = _ops.gradient_noise_scale(small_sq, big_sq, b, b_big, self.key, self.alpha)
-            self.gns.assign(r["gns"])
-            self.g_sq.assign(r["g_sq"])
-            self.trace.assign(r["trace"])
-            self.snr.assign(_ops.snr(r["g_sq"], r["trace"], snr_batch))
+        """Assigns the monitors from one step's squared norms (one KfMonitorRecord op): small_sq of a
+        gradient at batch b, big_sq of the mean gradient at b_big, spread_sq the mean squared norm of the
+        gradients averaged (for the variance), snr_batch the batch of the applied gradient. valid (a bool
+        tensor) false: the EMAs, gns and grad_variance stay as they were; snr is recomputed from the EMAs
+        for snr_batch."""
+        self.estimates.assign(_ops.record_step(small_sq, big_sq, spread_sq, b, b_big, snr_batch, self.key,
+                                               self.alpha, valid, gns=bool({"gns", "snr"} & self.names),
+                                               variance="variance" in self.names))
         self.updates.assign_add(1 if valid is True else tf.cast(valid, tf.int64))
 
     def values(self):
         """The latest values as Python floats; None for what is not monitored (see latest())."""
-        out = {
-            "gns": float(self.gns.numpy()) if "gns" in self.names else None,
-            "grad_variance": float(self.grad_variance.numpy()) if "variance" in self.names else None,
-            "snr": float(self.snr.numpy()) if "snr" in self.names else None,
-            "samples_per_sec": float(self.samples_per_sec.numpy()) if self.has_batch else None,
-            "step_time": float(self.step_time.numpy()),
+        est = dict(zip(_ops.RECORD_FIELDS, (float(x) for x in self.estimates.numpy())))
+        clock = dict(zip(_ops.CLOCK_FIELDS, (float(x) for x in self.clock.numpy())))
+        return {
+            "gns": est["gns"] if "gns" in self.names else None,
+            "grad_variance": est["grad_variance"] if "variance" in self.names else None,
+            "snr": est["snr"] if "snr" in self.names else None,
+            "samples_per_sec": clock["samples_per_sec"] if self.has_batch else None,
+            "step_time": clock["step_time"],
         }
-        return out
 
 
 def _live():

@@ -120,6 +120,8 @@ class _Metrics(dict):
     """ctx.metrics in the graph: the monitors' values, and the mean step time / throughput on demand."""
 
     def __init__(self, values, local, key):
+        """values: name -> tensor; local: name -> a function reading this worker's value, all-reduced when
+        a policy first asks for it."""
         super().__init__(values)
         self._local, self._key = local, key
 
@@ -127,7 +129,7 @@ class _Metrics(dict):
         if name in self._local:
             from ..ops import all_reduce
 
-            v = tf.cast(self._local[name].read_value(), F)
+            v = tf.cast(self._local[name](), F)
             self[name] = v if _lib.size() == 1 else all_reduce(v, op="mean", name=f"{self._key}/{name}")
             return self[name]
         raise KeyError(f"{name!r} is not available to a policy compiled into the graph (it has: "
@@ -161,13 +163,12 @@ class GraphContext:
         m = c.monitors
         values, local = {}, {}
         if m is not None:
-            for k, var, on in (("gns", m.gns, "gns"), ("grad_variance", m.grad_variance, "variance"),
-                               ("snr", m.snr, "snr")):
+            for k, on in (("gns", "gns"), ("grad_variance", "variance"), ("snr", "snr")):
                 if on in m.names:
-                    values[k] = tf.cast(_read(var), F)
-            local["step_time"] = m.step_time
+                    values[k] = tf.cast(m.read(k), F)
+            local["step_time"] = lambda: m.read("step_time")
             if m.has_batch:
-                local["samples_per_sec"] = m.samples_per_sec
+                local["samples_per_sec"] = lambda: m.read("samples_per_sec")
         self.metrics = _Metrics(values, local, key)
 
     def _batch(self):

@@ -63,6 +63,40 @@ def gradient_noise_scale(local_sq_norm, global_sq_norm, local_batch, global_batc
     return {"gns": gns, "g_sq": g_sq, "trace": trace}
 
 
+RECORD_FIELDS = ("gns", "g_sq", "trace", "snr", "grad_variance")  # record_step's vector, in order
+CLOCK_FIELDS = ("step_time", "samples_per_sec")  # step_clock's vector, in order
+
+
+@_no_autograph
+def record_step(small_sq, big_sq, spread_sq, local_batch, global_batch, snr_batch, key, alpha=0.1, valid=True,
+                gns=True, variance=True):
+    """One monitored step's estimates in one op (KfMonitorRecord): a float32 vector of RECORD_FIELDS.
+
+    With gns: gradient_noise_scale(small_sq, big_sq, local_batch, global_batch, key, alpha)'s three values
+    and snr(g_sq, trace, snr_batch). With variance: gradient_variance(spread_sq, big_sq). valid (a bool
+    or bool scalar tensor) false: the EMAs and the variance stay as they were (the snr is recomputed).
+    What is not requested is 0. The same rules as the separate functions, in double, in one kernel.
+    """
+    what = "record_step"
+    key = _key(key, what)
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 < alpha <= 1:
+        raise ValueError(f"{what}: alpha must be a number in (0, 1], got {alpha!r}")
+    args = [_scalar(x, what, arg) for x, arg in ((small_sq, "small_sq"), (big_sq, "big_sq"), (spread_sq, "spread_sq"),
+                                                  (local_batch, "local_batch"), (global_batch, "global_batch"),
+                                                  (snr_batch, "snr_batch"))]
+    valid = tf.convert_to_tensor(valid, tf.bool)
+    return _lib.op_module().kf_monitor_record(*args, valid, key=key, alpha=float(alpha), gns=bool(gns),
+                                               variance=bool(variance))
+
+
+@_no_autograph
+def step_clock(samples, key):
+    """[step_time, samples_per_sec] (KfStepClock): the seconds since the previous call with this key, on
+    the runtime's steady clock, and samples over them; 0s until a second call. reset_monitor(key)
+    forgets the previous call."""
+    return _lib.op_module().kf_step_clock(_scalar(samples, "step_clock", "samples"), key=_key(key, "step_clock"))
+
+
 @_no_autograph
 def reset_monitor(key):
     """Forgets the EMAs of the monitor named key (nothing happens when it has none)."""
