@@ -1,4 +1,4 @@
-// Kernels of KfAllReduce and KfGroupAllReduce.
+// Kernels of KfAllReduce, KfGroupAllReduce and KfGroupAllReduceNorms.
 //
 // Ownership: outputs are forwarded from inputs when TF allows it (the engine accepts in == out) and
 // allocated otherwise. Whatever the engine reads or writes is held by the completion callback.
@@ -10,6 +10,7 @@
 
 #include "kf_ops/adapter.h"
 #include "kf_ops/fusion.h"
+#include "kf_ops/squares.h"
 #include "tensorflow/core/framework/op_kernel.h"
 
 namespace kungfu_tf {
@@ -49,20 +50,26 @@ class AllReduceOp : public AsyncOpKernel {
   kungfu::ReduceOp op_{};  // from the reduce_op attr
 };
 
-// Counts the parts of one group down to zero, then finishes the kernel once.
+// Counts the parts of one group down to zero, then finishes the kernel once. With norms, it also
+// sums the squares of the reduced values as the parts finish and writes the total to its output.
 class GroupCompletion {
  public:
-  GroupCompletion(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done, size_t parts)
-      : ctx_(ctx), done_(std::move(done)), remaining_(parts) {}
+  GroupCompletion(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done, size_t parts, Tensor* reduced_sq)
+      : ctx_(ctx), done_(std::move(done)), remaining_(parts), reduced_sq_(reduced_sq) {}
 
-  // Called on a worker thread once per part.
-  void PartDone(const absl::Status& s) {
+  // Called on a worker thread once per part, with the sum of squares of its reduced values (0 without norms).
+  void PartDone(const absl::Status& s, double squares = 0) {
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!s.ok() && status_.ok()) status_ = s;
+      squares_ += squares;
       if (--remaining_ > 0) return;
     }
-    if (!status_.ok()) ctx_->SetStatus(status_);
+    if (!status_.ok()) {
+      ctx_->SetStatus(status_);
+    } else if (reduced_sq_ != nullptr) {
+      reduced_sq_->scalar<float>()() = static_cast<float>(squares_);
+    }
     done_();
   }
 
@@ -71,21 +78,30 @@ class GroupCompletion {
   AsyncOpKernel::DoneCallback done_;
   std::mutex mu_;
   absl::Status status_;  // first error of any part
-  size_t remaining_;     // parts not finished yet
+  size_t remaining_;
+  double squares_ = 0;   // of the reduced values so far
+  Tensor* reduced_sq_;   // KfGroupAllReduceNorms' output, or null
 };
 
+// KfGroupAllReduce, and with norms KfGroupAllReduceNorms: the same collectives, plus the squared norms
+// of the inputs (all-reduced to their mean over the workers: one more collective, of one double, sent
+// once every part is out) and of the outputs. A bucket's squares are summed while it is packed and
+// unpacked, which reads the data anyway; a tensor reduced alone is read once more for them.
 class GroupAllReduceOp : public AsyncOpKernel {
  public:
-  explicit GroupAllReduceOp(OpKernelConstruction* c) : AsyncOpKernel(c) {
+  GroupAllReduceOp(OpKernelConstruction* c, bool norms) : AsyncOpKernel(c), norms_(norms) {
     OP_REQUIRES_OK(c, ReduceOpAttr(c, &op_));
     OP_REQUIRES_OK(c, c->GetAttr("fusion_bytes", &fusion_bytes_));
   }
+  explicit GroupAllReduceOp(OpKernelConstruction* c) : GroupAllReduceOp(c, false) {}
 
-  // Parts are keyed "<key>/<index>" (a tensor alone) and "<key>/bucket<part>".
+  // Parts are keyed "<key>/<index>" (a tensor alone) and "<key>/bucket<part>"; the inputs' squared
+  // norm "<key>/sq".
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     std::string key;
     OP_REQUIRES_OK_ASYNC(ctx, KeyOf(ctx, &key), done);
-    const int n = ctx->num_inputs() - 2;  // the last two inputs are the key and the token
+    const int n = ctx->num_inputs() - (norms_ ? 3 : 2);  // then the norms flag, the key and the token
+    const bool squares = norms_ && ctx->input(n).scalar<bool>()();
     std::vector<BufferView> ins(n);
     std::vector<Tensor*> outs(n);
     std::vector<int64_t> bytes(n), counts(n);
@@ -98,6 +114,14 @@ class GroupAllReduceOp : public AsyncOpKernel {
       counts[i] = ins[i].count;
       dtypes[i] = ins[i].dtype;
     }
+    Tensor* local_sq = nullptr;
+    Tensor* reduced_sq = nullptr;
+    if (norms_) {
+      OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(n, tensorflow::TensorShape({}), &local_sq), done);
+      OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(n + 1, tensorflow::TensorShape({}), &reduced_sq), done);
+      local_sq->scalar<float>()() = 0;
+      reduced_sq->scalar<float>()() = 0;
+    }
     std::shared_ptr<kungfu::Engine> engine = EngineOrFail(ctx, done);
     if (!engine) return;
     if (n == 0) {
@@ -107,65 +131,110 @@ class GroupAllReduceOp : public AsyncOpKernel {
     std::vector<FusionPart> plan = PlanFusion(bytes, counts, dtypes, fusion_bytes_);
     auto inputs = std::make_shared<std::vector<Tensor>>();
     for (int i = 0; i < n; ++i) inputs->push_back(ctx->input(i));
-    auto group = std::make_shared<GroupCompletion>(ctx, std::move(done), plan.size());
+    auto group = std::make_shared<GroupCompletion>(ctx, std::move(done), plan.size() + (squares ? 1 : 0),
+                                                   squares ? reduced_sq : nullptr);
+    double local = 0;  // this worker's sum of squares of the inputs
     for (size_t p = 0; p < plan.size(); ++p) {
       const FusionPart& part = plan[p];
       if (!part.packed) {
         const int i = part.tensors[0];
-        engine->AllReduce(ins[i].data, const_cast<char*>(outs[i]->tensor_data().data()), part.count, part.dtype, op_,
-                          key + "/" + std::to_string(i), PartCallback(ctx, group, inputs, nullptr),
-                          ShapeSignature(ctx->input(i).shape()));
+        char* out = const_cast<char*>(outs[i]->tensor_data().data());
+        if (squares) local += SumSquares(ins[i].data, part.count, part.dtype);
+        std::function<double()> then;
+        if (squares) then = [out, count = part.count, dtype = part.dtype] { return SumSquares(out, count, dtype); };
+        engine->AllReduce(ins[i].data, out, part.count, part.dtype, op_, key + "/" + std::to_string(i),
+                          PartCallback(ctx, group, inputs, std::move(then)), ShapeSignature(ctx->input(i).shape()));
       } else {
-        StartBucket(ctx, engine.get(), part, key + "/bucket" + std::to_string(p), ins, outs, bytes, group, inputs);
+        local += StartBucket(ctx, engine.get(), part, key + "/bucket" + std::to_string(p), ins, outs, bytes, group,
+                             inputs, squares);
       }
     }
+    if (squares) StartSquares(ctx, engine.get(), key + "/sq", local, local_sq, group);
   }
 
  private:
-  // Packs the bucket's inputs, reduces in place, and unpacks into the outputs on completion.
-  void StartBucket(OpKernelContext* ctx, kungfu::Engine* engine, const FusionPart& part, const std::string& name,
-                   const std::vector<BufferView>& ins, const std::vector<Tensor*>& outs,
-                   const std::vector<int64_t>& bytes, const std::shared_ptr<GroupCompletion>& group,
-                   const std::shared_ptr<std::vector<Tensor>>& inputs) {
+  // Packs the bucket's inputs, reduces in place, and unpacks into the outputs on completion; with
+  // squares, sums them in both copies and returns the inputs' sum.
+  double StartBucket(OpKernelContext* ctx, kungfu::Engine* engine, const FusionPart& part, const std::string& name,
+                     const std::vector<BufferView>& ins, const std::vector<Tensor*>& outs,
+                     const std::vector<int64_t>& bytes, const std::shared_ptr<GroupCompletion>& group,
+                     const std::shared_ptr<std::vector<Tensor>>& inputs, bool squares) {
     int64_t total = 0;
     for (int i : part.tensors) total += bytes[i];
     auto buffer = std::make_shared<std::vector<char>>(static_cast<size_t>(total));
-    std::vector<std::pair<char*, int64_t>> pieces;  // output and byte length, in bucket order
+    std::vector<std::pair<char*, int64_t>> pieces;  // output and element count, in bucket order
     int64_t offset = 0;
     uint32_t sig = 1;  // over the members' shapes, in order
+    double local = 0;
     for (int i : part.tensors) {
       sig = CombineSignatures(sig, ShapeSignature(ctx->input(i).shape()));
-      if (bytes[i] > 0) std::memcpy(buffer->data() + offset, ins[i].data, bytes[i]);
-      pieces.emplace_back(const_cast<char*>(outs[i]->tensor_data().data()), bytes[i]);
+      if (squares) {
+        local += CopySumSquares(buffer->data() + offset, ins[i].data, ins[i].count, part.dtype);
+      } else if (bytes[i] > 0) {
+        std::memcpy(buffer->data() + offset, ins[i].data, bytes[i]);
+      }
+      pieces.emplace_back(const_cast<char*>(outs[i]->tensor_data().data()), ins[i].count);
       offset += bytes[i];
     }
-    auto unpack = [buffer, pieces] {
+    const size_t size = kungfu::DTypeSize(part.dtype);
+    auto unpack = [buffer, pieces, size, squares, dtype = part.dtype] {
+      double sum = 0;
       int64_t at = 0;
-      for (const auto& [dst, len] : pieces) {
-        if (len > 0) std::memcpy(dst, buffer->data() + at, len);
-        at += len;
+      for (const auto& [dst, count] : pieces) {
+        if (squares) {
+          sum += CopySumSquares(dst, buffer->data() + at, count, dtype);
+        } else if (count > 0) {
+          std::memcpy(dst, buffer->data() + at, count * size);
+        }
+        at += count * size;
       }
+      return sum;
     };
     engine->AllReduce(buffer->data(), buffer->data(), part.count, part.dtype, op_, name,
                       PartCallback(ctx, group, inputs, unpack), sig);
+    return local;
   }
 
+  // The mean over the workers of their inputs' sums of squares, into local_sq; counts as one part.
+  static void StartSquares(OpKernelContext* ctx, kungfu::Engine* engine, const std::string& name, double local,
+                           Tensor* local_sq, const std::shared_ptr<GroupCompletion>& group) {
+    auto value = std::make_shared<double>(local);
+    engine->AllReduce(value.get(), value.get(), 1, kungfu::DType::kFloat64, kungfu::ReduceOp::kMean, name,
+                      [ctx, group, value, local_sq](const kungfu::Status& s) {
+                        RunOnWorkerPool(ctx, [group, s, value, local_sq] {
+                          if (s.ok()) local_sq->scalar<float>()() = static_cast<float>(*value);
+                          group->PartDone(ToTfStatus(s));
+                        });
+                      },
+                      1);
+  }
+
+  // then() (optional) runs on success before the part counts as done; it returns the sum of squares
+  // of the part's reduced values (0 when not asked for).
   static kungfu::DoneCallback PartCallback(OpKernelContext* ctx, std::shared_ptr<GroupCompletion> group,
-                                           std::shared_ptr<std::vector<Tensor>> inputs, std::function<void()> then) {
+                                           std::shared_ptr<std::vector<Tensor>> inputs,
+                                           std::function<double()> then) {
     return [ctx, group, inputs, then](const kungfu::Status& s) {
       RunOnWorkerPool(ctx, [group, s, then] {
-        if (s.ok() && then) then();
-        group->PartDone(ToTfStatus(s));
+        const double squares = s.ok() && then ? then() : 0;
+        group->PartDone(ToTfStatus(s), squares);
       });
     };
   }
 
-  kungfu::ReduceOp op_{};    // from the reduce_op attr
-  int64_t fusion_bytes_ = 0; // bucket capacity; tensors this large or larger go alone
+  const bool norms_;           // KfGroupAllReduceNorms: the norms flag input and the two norm outputs
+  kungfu::ReduceOp op_{};      // from the reduce_op attr
+  int64_t fusion_bytes_ = 0;   // bucket capacity; tensors this large or larger go alone
+};
+
+class GroupAllReduceNormsOp : public GroupAllReduceOp {
+ public:
+  explicit GroupAllReduceNormsOp(OpKernelConstruction* c) : GroupAllReduceOp(c, true) {}
 };
 
 REGISTER_KERNEL_BUILDER(Name("KfAllReduce").Device(tensorflow::DEVICE_CPU), AllReduceOp);
 REGISTER_KERNEL_BUILDER(Name("KfGroupAllReduce").Device(tensorflow::DEVICE_CPU), GroupAllReduceOp);
+REGISTER_KERNEL_BUILDER(Name("KfGroupAllReduceNorms").Device(tensorflow::DEVICE_CPU), GroupAllReduceNormsOp);
 
 }  // namespace
 }  // namespace kungfu_tf

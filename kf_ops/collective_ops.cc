@@ -73,6 +73,33 @@ REGISTER_OP("KfGroupAllReduce")
 dtype and in order, into buckets of at most fusion_bytes; each bucket and each larger tensor is one
 engine all-reduce, all in flight together.)doc");
 
+REGISTER_OP("KfGroupAllReduceNorms")
+    .Input("inputs: T")
+    .Input("norms: bool")
+    .Input("key: string")
+    .Input("token: resource")
+    .Output("outputs: T")
+    .Output("local_sq: float")
+    .Output("reduced_sq: float")
+    .Attr("T: list({half, bfloat16, float, double})")
+    .Attr("reduce_op: {'sum', 'mean', 'min', 'max', 'prod'}")
+    .Attr("fusion_bytes: int = 4194304")
+    .SetIsStateful()
+    .SetIsDistributedCommunication()
+    .SetShapeFn(WithKey([](InferenceContext* c) {
+      const int n = c->num_inputs() - 3;
+      ShapeHandle unused;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(n), 0, &unused));
+      for (int i = 0; i < n; ++i) c->set_output(i, c->input(i));
+      c->set_output(n, c->Scalar());
+      c->set_output(n + 1, c->Scalar());
+      return absl::OkStatus();
+    }))
+    .Doc(R"doc(KfGroupAllReduce of float tensors that also gives the squared norms a training monitor needs,
+without passes over the data of their own: when norms is true, local_sq is the mean over the workers of
+each worker's sum of squares of its inputs, and reduced_sq the sum of squares of the outputs; when it is
+false both are 0 and no more is sent. norms must be the same on every worker.)doc");
+
 REGISTER_OP("KfBroadcast")
     .Input("input: T")
     .Input("key: string")

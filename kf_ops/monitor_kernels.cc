@@ -31,12 +31,8 @@
 #include "absl/strings/str_cat.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
+#include "kf_ops/squares.h"
 #include "unsupported/Eigen/CXX11/Tensor"
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define KF_SQUARES_AVX2 1
-#endif
 
 namespace kungfu_tf {
 namespace {
@@ -279,47 +275,14 @@ double Sum(const CpuDevice& d, int64_t elements, const Expr& e) {
   return static_cast<double>(s());
 }
 
-#ifdef KF_SQUARES_AVX2
-// The sum of squares of n floats with AVX2 and FMA, for CPUs that have them (checked at run time; the
-// library is built for the baseline x86-64): about 1.5x Eigen's SSE2 reduction on a model's gradients.
-// The float lanes are added into a double every block, so the rounding error stays that of a block.
-__attribute__((target("avx2,fma"))) double SumSquaresAvx2(const float* p, int64_t n) {
-  constexpr int64_t kBlock = 4096;  // elements per float partial sum
-  double total = 0;
-  int64_t i = 0;
-  while (i + 32 <= n) {
-    const int64_t end = std::min(n, i + kBlock) & ~int64_t{31};
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    for (; i < end; i += 32) {
-      const __m256 x0 = _mm256_loadu_ps(p + i), x1 = _mm256_loadu_ps(p + i + 8);
-      const __m256 x2 = _mm256_loadu_ps(p + i + 16), x3 = _mm256_loadu_ps(p + i + 24);
-      a0 = _mm256_fmadd_ps(x0, x0, a0);
-      a1 = _mm256_fmadd_ps(x1, x1, a1);
-      a2 = _mm256_fmadd_ps(x2, x2, a2);
-      a3 = _mm256_fmadd_ps(x3, x3, a3);
-    }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (float v : lanes) total += v;
-  }
-  for (; i < n; ++i) total += static_cast<double>(p[i]) * p[i];
-  return total;
-}
-
-bool HasAvx2() {
-  static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return has;
-}
-#endif
-
 // The sum of squares of one tensor, in its accumulation type.
 template <typename T, typename A>
-double SumSquares(const CpuDevice& d, const Tensor& t) {
-#ifdef KF_SQUARES_AVX2
-  if constexpr (std::is_same_v<T, float>) {
-    if (t.NumElements() <= kParallelElements && HasAvx2()) return SumSquaresAvx2(t.flat<float>().data(), t.NumElements());
+double TensorSquares(const CpuDevice& d, const Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) {  // squares.cc: AVX2 where the CPU has it
+    if (t.NumElements() <= kParallelElements) {
+      return kungfu_tf::SumSquares(t.flat<float>().data(), t.NumElements(), kungfu::DType::kFloat32);
+    }
   }
-#endif
   return Sum<A>(d, t.NumElements(), t.flat<T>().template cast<A>().square());
 }
 
@@ -341,7 +304,7 @@ class SquaredNormOp : public OpKernel {
       const bool ok = ForDType(t.dtype(), [&](auto types) {
         using T = typename decltype(types)::Elem;
         using A = typename decltype(types)::Acc;
-        total += SumSquares<T, A>(d, t);
+        total += TensorSquares<T, A>(d, t);
       });
       OP_REQUIRES(ctx, ok, UnsupportedDType(t, i));
     }

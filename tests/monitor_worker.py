@@ -36,16 +36,24 @@ from monitor_reference import GradientNoiseScale  # noqa: E402
 BATCH, FEATURES, CLASSES, STEPS = 8, 6, 3, 12
 
 
-def setup(monitor_interval=1, local_batch_size=BATCH):
+def setup(monitor_interval=1, local_batch_size=BATCH, sparse=False):
+    """sparse: the model starts with an Embedding, whose gradient is an IndexedSlices (the wrapper then
+    carries the local squared norm in the bucket instead of taking both norms from the all-reduce)."""
     keras.utils.set_random_seed(1)  # the same model on every worker
-    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
-                              keras.layers.Dense(CLASSES)])
+    if sparse:
+        model = keras.Sequential([keras.Input((FEATURES,), dtype="int32"), keras.layers.Embedding(20, 4),
+                                  keras.layers.Flatten(), keras.layers.Dense(CLASSES)])
+    else:
+        model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
+                                  keras.layers.Dense(CLASSES)])
     opt = kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.05), monitor=["gns", "variance", "snr"],
                                                     monitor_interval=monitor_interval,
                                                     local_batch_size=local_batch_size)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     rng = np.random.RandomState(10 + kungfu.rank())  # different data on every worker
     x = rng.normal(size=(STEPS * BATCH, FEATURES)).astype(np.float32)
+    if sparse:
+        x = rng.randint(0, 20, size=x.shape).astype(np.int32)
     y = rng.randint(0, CLASSES, size=len(x)).astype(np.int64)
     traces = []
 
@@ -56,7 +64,8 @@ def setup(monitor_interval=1, local_batch_size=BATCH):
             value = loss(y, model(x, training=True))
         grads = tape.gradient(value, model.trainable_variables)
         local_sq = monitor_ops.squared_norm(grads)  # as the wrapper computes it
-        global_sq = monitor_ops.squared_norm(kungfu.group_all_reduce(grads, op="mean"))
+        dense = [tf.convert_to_tensor(g) for g in grads]
+        global_sq = monitor_ops.squared_norm(kungfu.group_all_reduce(dense, op="mean"))
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return local_sq, global_sq
 
@@ -72,9 +81,8 @@ def close(got, want, what, rtol=2e-3):
 CHECKS = []
 
 
-@CHECKS.append
-def gns_matches_reference():
-    opt, step, batches, _ = setup()
+def check_gns_against_reference(sparse):
+    opt, step, batches, _ = setup(sparse=sparse)
     m = opt._kungfu.monitors
     ref = GradientNoiseScale(alpha=0.1)
     n, b = kungfu.size(), float(BATCH)
@@ -95,6 +103,16 @@ def gns_matches_reference():
             raise AssertionError(f"step {t}: throughput {got}")
     if nonzero == 0 or not kungfu.monitor.latest(opt)["samples_per_sec"] > 0:
         raise AssertionError(f"no gns estimate or throughput after {STEPS} steps: {kungfu.monitor.latest(opt)}")
+
+
+@CHECKS.append
+def gns_matches_reference():  # both squared norms from the all-reduce (KfGroupAllReduceNorms)
+    check_gns_against_reference(sparse=False)
+
+
+@CHECKS.append
+def gns_matches_reference_with_a_sparse_gradient():  # the local norm rides in the bucket
+    check_gns_against_reference(sparse=True)
 
 
 @CHECKS.append
@@ -162,14 +180,16 @@ def collective_stats_count_each_collective():
     named = stats.get("stats/named", {})
     if named.get("calls") != 2 or not named["bytes_received"] >= 2 * 4000 or not named["mean_ms"] > 0:
         raise AssertionError(f"stats/named: {named}")
-    # Two group all-reduces per step: the test's own and the wrapper's bucket (gradients + the squared norm).
+    # Three collectives per step: the test's own group all-reduce, the wrapper's bucket of gradients and
+    # the wrapper's mean local squared norm ("<bucket key>/sq", one double).
     per_step = {k: v for k, v in stats.items() if v["calls"] == STEPS}
     grad_bytes = 4 * sum(int(np.prod(v.shape)) for v in opt._trainable_variables)
-    if len(per_step) != 2:
-        raise AssertionError(f"expected 2 collectives run once per step, got {stats}")
+    if len(per_step) != 3 or sum(k.endswith("/sq") for k in per_step) != 1:
+        raise AssertionError(f"expected 3 collectives run once per step, one of them /sq, got {stats}")
     for key, v in per_step.items():  # every algorithm delivers at least the whole tensor to each worker
-        if v["failed"] or not v["bytes_received"] >= STEPS * grad_bytes or not 0 < v["last_ms"] <= v["max_ms"]:
-            raise AssertionError(f"{key}: {v} (gradients: {grad_bytes} bytes)")
+        nbytes = 8 if key.endswith("/sq") else grad_bytes
+        if v["failed"] or not v["bytes_received"] >= STEPS * nbytes or not 0 < v["last_ms"] <= v["max_ms"]:
+            raise AssertionError(f"{key}: {v} (expected at least {nbytes} bytes a step)")
     moved = np.array([sum(v["bytes_sent"] for v in stats.values()), sum(v["bytes_received"] for v in stats.values())])
     totals = kungfu.all_gather(moved.reshape(1, 2)).numpy().sum(axis=0)
     if totals[0] != totals[1]:

@@ -97,11 +97,11 @@ NOTES = [
     'Every round is one kfrun launch that trains all configurations, each on a fresh model and optimizer, '
     'one epoch of each in turn (in an order rotated from round to round), so bursts of load from other '
     'programs fall on every configuration alike. overhead per round compares configurations of the same launch.',
-    'A monitored step computes each worker\'s squared gradient norm (one KfSquaredNorm op over the gradient '
-    'list), carries it in the gradients\' own all-reduce (no extra collective), then, before the optimizer\'s '
-    'update, the squared norm of the mean gradient and the GNS, variance and SNR ops. Throughput (step_time) '
-    'is measured at every step whenever monitors are on, so interval 8 still pays for the timestamps and '
-    'the tf.cond.',
+    'A monitored step takes both squared gradient norms from the gradients\' all-reduce '
+    '(KfGroupAllReduceNorms sums the squares while it packs and unpacks the bucket, plus one all-reduce of '
+    'one double for the workers\' mean local norm), then, before the optimizer\'s update, one KfMonitorRecord '
+    'op (GNS, variance and SNR) and one variable assignment. Throughput (step_time) is one KfStepClock op at '
+    'every step whenever monitors are on, so interval 8 still pays for it and for the tf.cond.',
     'CPU ms/step per worker: the CPU time of each worker process (all its threads, the engine\'s included) '
     'over a timed epoch, per step, the mean of the two workers; in brackets its paired overhead, computed as '
     'for wall time. Less sensitive to other programs on the machine than wall time (they delay a step, '
@@ -113,8 +113,8 @@ NOTES = [
     'monitored steps: rank 0\'s count of steps that ran the gradient monitors in its last launch '
     '(warm-up included); last values: kungfu.monitor.latest() at the end of that launch. On random labels '
     'the true gradient is small against the noise, so the GNS is large or 0 (no estimate).',
-    'Both workers share the machine\'s 2 cores, so a step here is compute- and contention-bound; the '
-    'monitors\' extra arithmetic (two passes over the gradients) weighs more than on dedicated machines.',
+    'Both workers share the machine\'s 2 cores (bound one core each: kfrun --bind-to core), so a step here '
+    'is compute- and contention-bound, and the monitors\' own work weighs more than on dedicated machines.',
 ]
 
 

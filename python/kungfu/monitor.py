@@ -191,13 +191,15 @@ class Monitors:
         with tf.control_dependencies([t for t in tensors if t is not None]):
             return tf.cast(self.batch.read_value(), tf.float32)
 
-    def update(self, due, mean_local_sq, reduced_grads):
-        """On due steps, the monitors from the workers' mean squared norm and the all-reduced gradients."""
+    def update(self, due, mean_local_sq, reduced_grads=None, reduced_sq=None):
+        """On due steps, the monitors from the workers' mean squared norm and the all-reduced gradients
+        (or their squared norm, reduced_sq, when the all-reduce gave it)."""
 
         def run():
             b = self._batch_after([mean_local_sq])
             b_big = tf.cast(_lib.size(), tf.float32) * b
-            self._record(mean_local_sq, _ops.squared_norm(reduced_grads), mean_local_sq, b, b_big, b_big)
+            big_sq = _ops.squared_norm(reduced_grads) if reduced_sq is None else reduced_sq
+            self._record(mean_local_sq, big_sq, mean_local_sq, b, b_big, b_big)
             return tf.constant(True)
 
         return _when(due, run)

@@ -5,9 +5,10 @@
 
 It computes what the optimizer wrappers compute, with the same graph code (kungfu.monitor.Monitors):
 on due steps (every monitor_interval-th call of the step, a tf.cond on a step counter, so the interval
-costs no retrace) this worker's squared gradient norm rides in the S-SGD pass's last all-reduce bucket
-(no extra collective), and the workers' mean squared norm and the squared norm of the reduced gradients
-give the estimates, before the update. On one worker (no second batch size) the estimates
+costs no retrace) the S-SGD pass's all-reduce also gives the workers' mean squared gradient norm and the
+squared norm of the reduced gradients (KfGroupAllReduceNorms sums them as it copies the gradients; with a
+sparse gradient, this worker's norm rides in the last bucket instead), and they give the estimates,
+before the update. On one worker (no second batch size) the estimates
 pair each due step's gradients with the previous step's (Monitors.update_one_worker). Throughput
 (step_time, samples_per_sec) is measured every step.
 
@@ -22,6 +23,8 @@ import tensorflow as tf
 
 from .. import monitor as _monitor
 from .ssgd import mean_gradients
+from .ssgd import mean_gradients_with_norms
+from .ssgd import norms_fusable
 
 
 def _tensor(g):
@@ -50,8 +53,12 @@ class MonitoredSSGD:
                 m.update_one_worker(local, [g.variable for g in grads], step)
         else:
             due = m.due(step)
-            out, (mean_local_sq,) = mean_gradients(grads, ctx, extra=[m.local_sq_norm(local, due)])
-            updated = m.update(due, mean_local_sq, [_tensor(g) for g in out])
+            if norms_fusable(grads):  # both squared norms from the all-reduce, summed as it copies
+                out, local_sq, reduced_sq = mean_gradients_with_norms(grads, ctx, tf.convert_to_tensor(due, tf.bool))
+                updated = m.update(due, local_sq, reduced_sq=reduced_sq)
+            else:
+                out, (mean_local_sq,) = mean_gradients(grads, ctx, extra=[m.local_sq_norm(local, due)])
+                updated = m.update(due, mean_local_sq, [_tensor(g) for g in out])
             with tf.control_dependencies([updated]):  # before the update, not beside it (see the wrapper)
                 out = [g.replace(values=tf.identity(g.values)) for g in out]
         with tf.control_dependencies([g.values for g in out]):

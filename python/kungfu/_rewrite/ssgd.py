@@ -6,7 +6,8 @@ backward pass still computes the first layers' gradients. Each bucket is one op,
 buffers of at most fusion_bytes; fusion_bytes=0 gives one collective per gradient.
 
 mean_gradients(grads, ctx, extra=[...]) also averages a few more dense tensors in the last bucket (the
-monitor pass's squared norm, monitors.py), so they cost no collective.
+monitor pass's squared norm, monitors.py, when a gradient is sparse), so they cost no collective;
+mean_gradients_with_norms gives the monitor pass both squared norms from the all-reduce itself.
 
 An IndexedSlices gradient travels as an all-gather of its indices and of its values divided by size():
 scattering every worker's rows, each scaled by 1/size, adds up to the mean of the dense gradients, and
@@ -63,6 +64,34 @@ def mean_gradients(grads, ctx, extra=()):
         if g.sparse:
             out[i] = _gather_mean(g, ctx, ctx.key("ssgd", f"sparse{i}"))
     return out, list(extra_means)
+
+
+def norms_fusable(grads):
+    """Whether mean_gradients_with_norms takes these gradients: all dense and of a float dtype."""
+    return all(not g.sparse and g.values.dtype in kf.NORM_DTYPES for g in grads)
+
+
+def mean_gradients_with_norms(grads, ctx, norms):
+    """(the gradients' means, the workers' mean local squared norm, the squared norm of the means), for
+    gradients norms_fusable() accepts: the buckets of mean_gradients, each one
+    kungfu.ops.group_all_reduce_with_norms, whose norms are summed as it copies the gradients. norms (a bool
+    scalar tensor, equal on every worker) false gives 0s."""
+    fusion_bytes = ctx.options.get("fusion_bytes")
+    if fusion_bytes is None:
+        fusion_bytes = DEFAULT_FUSION_BYTES
+    out, local, reduced = list(grads), [], []
+    for b, bucket in enumerate(_buckets(list(range(len(grads))), grads, fusion_bytes)):
+        members = [grads[i] for i in bucket]
+        key = ctx.key("ssgd", str(b))
+        means, local_sq, reduced_sq = kf.group_all_reduce_with_norms([g.values for g in members], norms=norms,
+                                                                     op="mean", name=key, fusion_bytes=fusion_bytes)
+        ctx.note("group_all_reduce", key, members)
+        for i, r in zip(bucket, means):
+            out[i] = grads[i].replace(values=r)
+        local.append(local_sq)
+        reduced.append(reduced_sq)
+    zero = tf.constant(0.0, tf.float32)
+    return out, tf.add_n(local) if local else zero, tf.add_n(reduced) if reduced else zero
 
 
 def _buckets(positions, grads, fusion_bytes):

@@ -5,9 +5,11 @@ from .collective import all_reduce
 from .collective import barrier
 from .collective import broadcast
 from .collective import consensus
+from .collective import NORM_DTYPES
 from .collective import group_all_reduce
+from .collective import group_all_reduce_with_norms
 from .p2p import request_variable
 from .p2p import save_variable
 
-__all__ = ["all_reduce", "group_all_reduce", "broadcast", "all_gather", "barrier", "consensus", "save_variable",
+__all__ = ["all_reduce", "group_all_reduce", "group_all_reduce_with_norms", "broadcast", "all_gather", "barrier", "consensus", "save_variable",
            "request_variable"]

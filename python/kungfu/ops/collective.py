@@ -72,6 +72,35 @@ def group_all_reduce(xs, op="sum", name=None, fusion_bytes=None):
     return list(_lib.op_module().kf_group_all_reduce(xs, key, _naming.token(), reduce_op=op, **extra))
 
 
+NORM_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)  # group_all_reduce_with_norms's
+
+
+@_no_autograph
+def group_all_reduce_with_norms(xs, norms=True, op="sum", name=None, fusion_bytes=None):
+    """group_all_reduce of float tensors, plus the two squared norms a gradient monitor needs:
+    (outputs, local_sq, reduced_sq).
+
+    When norms (a bool or a bool scalar tensor, the same on every worker) is true, local_sq is the mean
+    over the workers of each worker's sum of squares of its xs, and reduced_sq the sum of squares of the
+    outputs, both float32 scalars; when it is false both are 0 and nothing more is sent. The squares
+    are summed while the op packs and unpacks its buckets, which read the data anyway (tensors reduced
+    alone are read once more); local_sq costs one more collective of one double.
+    """
+    op = _reduce_op(op, "group_all_reduce_with_norms")
+    _lib.require_init("kungfu.group_all_reduce_with_norms")
+    if not isinstance(xs, (list, tuple)) or not xs:
+        raise TypeError(f"group_all_reduce_with_norms: xs must be a non-empty list or tuple of tensors, got {xs!r}")
+    if fusion_bytes is not None and (not isinstance(fusion_bytes, int) or fusion_bytes < 0):
+        raise ValueError(f"group_all_reduce_with_norms: fusion_bytes must be an int >= 0, got {fusion_bytes!r}")
+    xs = [_tensor(x, NORM_DTYPES, "group_all_reduce_with_norms") for x in xs]
+    norms = tf.convert_to_tensor(norms, tf.bool)
+    key = _naming.key_tensor("group_all_reduce", name)
+    extra = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}
+    outs, local_sq, reduced_sq = _lib.op_module().kf_group_all_reduce_norms(xs, norms, key, _naming.token(),
+                                                                            reduce_op=op, **extra)
+    return list(outs), local_sq, reduced_sq
+
+
 @_no_autograph
 def broadcast(x, root=0, name=None):
     """Every worker gets root's x. Every worker must pass the same dtype and number of elements."""

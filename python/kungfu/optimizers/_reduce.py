@@ -126,6 +126,48 @@ def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=Fal
     return out + reduced[:len(extra)]
 
 
+def norms_fusable(grads, sparse_as_dense):
+    """Whether mean_gradients_with_norms takes these gradients: every one dense (or densified) and of a
+    float dtype."""
+    for g in grads:
+        if g is None:
+            continue
+        if isinstance(g, tf.IndexedSlices) and not sparse_as_dense:
+            return False
+        if g.dtype not in collective.NORM_DTYPES:
+            return False
+    return True
+
+
+def mean_gradients_with_norms(grads, variables, fusion_bytes, sparse_as_dense, norms):
+    """(mean_gradients(grads), mean over the workers of their local squared norm, squared norm of the
+    mean), for gradients norms_fusable() accepts. The norms come out of the all-reduce itself
+    (KfGroupAllReduceNorms sums the squares as it packs and unpacks its buckets), with no pass over the
+    gradients of their own; norms (a bool scalar tensor, equal on every worker) false gives 0s."""
+    fusion_bytes = check_fusion_bytes(fusion_bytes)
+    variables = variables if variables is not None else [None] * len(grads)
+    out, dense, choices = list(grads), [], []
+    for i, (g, v) in enumerate(zip(grads, variables)):
+        if g is None:
+            continue
+        out[i] = _reducible(tf.convert_to_tensor(g))
+        dense.append(i)
+        choices.append((_var_name(v), "dense, all-reduce" if not isinstance(g, tf.IndexedSlices) else
+                        "sparse, densified and all-reduced (sparse_as_dense=True)"))
+    _log_choices(choices)
+    tensors = [out[i] for i in dense]
+    local, reduced = [], []
+    for bucket in buckets(tensors, fusion_bytes):
+        means, local_sq, reduced_sq = collective.group_all_reduce_with_norms(
+            [tensors[j] for j in bucket], norms=norms, op="mean", fusion_bytes=fusion_bytes)
+        for j, r in zip(bucket, means):
+            out[dense[j]] = r
+        local.append(local_sq)
+        reduced.append(reduced_sq)
+    zero = tf.constant(0.0, tf.float32)
+    return out, tf.add_n(local) if local else zero, tf.add_n(reduced) if reduced else zero
+
+
 def mean_tensors(tensors, fusion_bytes=None):
     """The mean of each dense tensor over all workers, in buckets of about fusion_bytes (see above)."""
     fusion_bytes = check_fusion_bytes(fusion_bytes)

@@ -163,13 +163,20 @@ class DistributedMixin:
             if m is None or not m.reduces:
                 return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense)
             due = m.due(self.iterations)
-            # This worker's squared norm rides in the gradients' own all-reduce: no extra collective.
-            out = _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
-                                         extra=[m.local_sq_norm(g_live, due)])
-            reduced = out[:len(g_live)]
+            if _reduce.norms_fusable(g_live, kf.sparse_as_dense):
+                # Both squared norms come out of the all-reduce, summed as it copies the gradients.
+                reduced, local_sq, reduced_sq = _reduce.mean_gradients_with_norms(
+                    g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense, tf.convert_to_tensor(due, tf.bool))
+                updated = m.update(due, local_sq, reduced_sq=reduced_sq)
+            else:
+                # This worker's squared norm rides in the gradients' own all-reduce: no extra collective.
+                out = _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
+                                             extra=[m.local_sq_norm(g_live, due)])
+                reduced = out[:len(g_live)]
+                updated = m.update(due, out[-1], reduced)
             # The estimates run before the update, not beside it: with workers sharing cores, running
             # them beside the update cost 4 to 5 points more CPU per step (benchmarks/monitoring.py).
-            with tf.control_dependencies([m.update(due, out[-1], reduced)]):
+            with tf.control_dependencies([updated]):
                 return [tf.identity(g) if isinstance(g, tf.Tensor) else g for g in reduced]
 
         def sma():

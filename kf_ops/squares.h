@@ -1,0 +1,24 @@
+// Sums of squares over raw buffers of the engine's float dtypes: for the squared-norm monitor op, and for
+// the group all-reduce, which can sum the squares of what it copies while it copies (its bucket's pack
+// and unpack), so that a monitored step's two gradient norms cost no pass over memory of their own.
+//
+// float32 and float64 are summed in their own type in blocks whose sums are added in double; float16
+// and bfloat16 are widened to float. float32 uses AVX2/FMA when the CPU has them (checked at run time).
+#pragma once
+
+#include <cstdint>
+
+#include "cc/dtype.h"
+
+namespace kungfu_tf {
+
+// True for the dtypes the functions below accept: float16, bfloat16, float32, float64.
+bool HasSquares(kungfu::DType dtype);
+
+// The sum of squares of count elements at p.
+double SumSquares(const void* p, int64_t count, kungfu::DType dtype);
+
+// memcpy(dst, src, count elements), returning the sum of squares of the elements copied.
+double CopySumSquares(void* dst, const void* src, int64_t count, kungfu::DType dtype);
+
+}  // namespace kungfu_tf
