@@ -84,9 +84,10 @@ class GroupCompletion {
 };
 
 // KfGroupAllReduce, and with norms KfGroupAllReduceNorms: the same collectives, plus the squared norms
-// of the inputs (all-reduced to their mean over the workers: one more collective, of one double, sent
-// once every part is out) and of the outputs. A bucket's squares are summed while it is packed and
-// unpacked, which reads the data anyway; a tensor reduced alone is read once more for them.
+// of the inputs (their mean over the workers, carried as one more element of the last packed float32 or
+// float64 bucket, else by an all-reduce of one double of its own) and of the outputs. A bucket's squares
+// are summed while it is packed and unpacked, which reads the data anyway; a tensor reduced alone is
+// read once more for them.
 class GroupAllReduceOp : public AsyncOpKernel {
  public:
   GroupAllReduceOp(OpKernelConstruction* c, bool norms) : AsyncOpKernel(c), norms_(norms) {
@@ -131,11 +132,23 @@ class GroupAllReduceOp : public AsyncOpKernel {
     std::vector<FusionPart> plan = PlanFusion(bytes, counts, dtypes, fusion_bytes_);
     auto inputs = std::make_shared<std::vector<Tensor>>();
     for (int i = 0; i < n; ++i) inputs->push_back(ctx->input(i));
-    auto group = std::make_shared<GroupCompletion>(ctx, std::move(done), plan.size() + (squares ? 1 : 0),
+    // With norms, this worker's sum of squares travels in the last packed float bucket, one element
+    // more at its end, started after every other part has been summed; without such a bucket (or for
+    // min, max and prod) it is an all-reduce of its own.
+    int carrier = -1;
+    if (squares && (op_ == kungfu::ReduceOp::kSum || op_ == kungfu::ReduceOp::kMean)) {
+      for (int p = static_cast<int>(plan.size()) - 1; p >= 0 && carrier < 0; --p) {
+        const kungfu::DType d = plan[p].dtype;
+        if (plan[p].packed && (d == kungfu::DType::kFloat32 || d == kungfu::DType::kFloat64)) carrier = p;
+      }
+    }
+    auto group = std::make_shared<GroupCompletion>(ctx, std::move(done),
+                                                   plan.size() + (squares && carrier < 0 ? 1 : 0),
                                                    squares ? reduced_sq : nullptr);
     double local = 0;  // this worker's sum of squares of the inputs
     for (size_t p = 0; p < plan.size(); ++p) {
       const FusionPart& part = plan[p];
+      if (static_cast<int>(p) == carrier) continue;
       if (!part.packed) {
         const int i = part.tensors[0];
         char* out = const_cast<char*>(outs[i]->tensor_data().data());
@@ -149,17 +162,26 @@ class GroupAllReduceOp : public AsyncOpKernel {
                              inputs, squares);
       }
     }
-    if (squares) StartSquares(ctx, engine.get(), key + "/sq", local, local_sq, group);
+    if (carrier >= 0) {
+      StartBucket(ctx, engine.get(), plan[carrier], key + "/bucket" + std::to_string(carrier), ins, outs, bytes, group,
+                  inputs, squares, &local, local_sq, engine->size());
+    } else if (squares) {
+      StartSquares(ctx, engine.get(), key + "/sq", local, local_sq, group);
+    }
   }
 
  private:
   // Packs the bucket's inputs, reduces in place, and unpacks into the outputs on completion; with
-  // squares, sums them in both copies and returns the inputs' sum.
+  // squares, sums them in both copies and returns the inputs' sum. With carry (a float bucket, sum or
+  // mean), *carry plus that sum rides as one more element at the end of the buffer, and its mean over
+  // the workers (the sum divided by size for sum) lands in local_sq.
   double StartBucket(OpKernelContext* ctx, kungfu::Engine* engine, const FusionPart& part, const std::string& name,
                      const std::vector<BufferView>& ins, const std::vector<Tensor*>& outs,
                      const std::vector<int64_t>& bytes, const std::shared_ptr<GroupCompletion>& group,
-                     const std::shared_ptr<std::vector<Tensor>>& inputs, bool squares) {
-    int64_t total = 0;
+                     const std::shared_ptr<std::vector<Tensor>>& inputs, bool squares, const double* carry = nullptr,
+                     Tensor* local_sq = nullptr, int size = 1) {
+    const size_t elem = kungfu::DTypeSize(part.dtype);
+    int64_t total = carry != nullptr ? static_cast<int64_t>(elem) : 0;
     for (int i : part.tensors) total += bytes[i];
     auto buffer = std::make_shared<std::vector<char>>(static_cast<size_t>(total));
     std::vector<std::pair<char*, int64_t>> pieces;  // output and element count, in bucket order
@@ -176,23 +198,46 @@ class GroupAllReduceOp : public AsyncOpKernel {
       pieces.emplace_back(const_cast<char*>(outs[i]->tensor_data().data()), ins[i].count);
       offset += bytes[i];
     }
-    const size_t size = kungfu::DTypeSize(part.dtype);
-    auto unpack = [buffer, pieces, size, squares, dtype = part.dtype] {
+    if (carry != nullptr) PutScalar(buffer->data() + offset, part.dtype, *carry + local);
+    const bool mean = op_ == kungfu::ReduceOp::kMean;
+    auto unpack = [buffer, pieces, elem, squares, dtype = part.dtype, carried = carry != nullptr, local_sq,
+                   divisor = mean ? 1 : size] {
       double sum = 0;
       int64_t at = 0;
       for (const auto& [dst, count] : pieces) {
         if (squares) {
           sum += CopySumSquares(dst, buffer->data() + at, count, dtype);
         } else if (count > 0) {
-          std::memcpy(dst, buffer->data() + at, count * size);
+          std::memcpy(dst, buffer->data() + at, count * elem);
         }
-        at += count * size;
+        at += count * elem;
       }
+      if (carried) local_sq->scalar<float>()() = static_cast<float>(GetScalar(buffer->data() + at, dtype) / divisor);
       return sum;
     };
-    engine->AllReduce(buffer->data(), buffer->data(), part.count, part.dtype, op_, name,
+    engine->AllReduce(buffer->data(), buffer->data(), part.count + (carry != nullptr ? 1 : 0), part.dtype, op_, name,
                       PartCallback(ctx, group, inputs, unpack), sig);
     return local;
+  }
+
+  static void PutScalar(char* at, kungfu::DType dtype, double value) {
+    if (dtype == kungfu::DType::kFloat64) {
+      std::memcpy(at, &value, sizeof(value));
+    } else {
+      const float f = static_cast<float>(value);
+      std::memcpy(at, &f, sizeof(f));
+    }
+  }
+
+  static double GetScalar(const char* at, kungfu::DType dtype) {
+    if (dtype == kungfu::DType::kFloat64) {
+      double d;
+      std::memcpy(&d, at, sizeof(d));
+      return d;
+    }
+    float f;
+    std::memcpy(&f, at, sizeof(f));
+    return f;
   }
 
   // The mean over the workers of their inputs' sums of squares, into local_sq; counts as one part.

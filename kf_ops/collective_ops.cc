@@ -98,7 +98,9 @@ REGISTER_OP("KfGroupAllReduceNorms")
     .Doc(R"doc(KfGroupAllReduce of float tensors that also gives the squared norms a training monitor needs,
 without passes over the data of their own: when norms is true, local_sq is the mean over the workers of
 each worker's sum of squares of its inputs, and reduced_sq the sum of squares of the outputs; when it is
-false both are 0 and no more is sent. norms must be the same on every worker.)doc");
+false both are 0 and no more is sent. The squares are summed in the copies into and out of the buckets; the
+local sums ride as one more element of the last float32 or float64 bucket (sum and mean), else in an
+all-reduce of one double of their own. norms must be the same on every worker.)doc");
 
 REGISTER_OP("KfBroadcast")
     .Input("input: T")

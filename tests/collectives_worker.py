@@ -138,28 +138,34 @@ def _squares(x):
 @check
 def group_all_reduce_with_norms_values():
     """The outputs equal group_all_reduce's; local_sq is the workers' mean sum of squares of their inputs,
-    reduced_sq that of the outputs; norms false gives 0s. Packed buckets, tensors alone, every float dtype."""
+    reduced_sq that of the outputs; norms false gives 0s. Every float dtype; packed buckets (the local sum
+    rides in the last float32/float64 one), tensors alone and half types only (it gets its own all-reduce)."""
     rank, size = kungfu.rank(), kungfu.size()
-    specs = [([5], tf.float32), ([0], tf.float16), ([BIG], tf.float32), ([], tf.float64), ([40], tf.bfloat16),
+    mixed = [([5], tf.float32), ([0], tf.float16), ([BIG], tf.float32), ([], tf.float64), ([40], tf.bfloat16),
              ([300000], tf.float16), ([9, 3], tf.float32), ([6], tf.float64)]
-    xs = [data(rank, s, d, "mean", salt=k) for k, (s, d) in enumerate(specs)]
-    local_want = np.mean([sum(_squares(data(r, s, d, "mean", salt=k)) for k, (s, d) in enumerate(specs))
-                          for r in range(size)])
-    fn = tf.function(lambda xs, norms, fb: kungfu.ops.group_all_reduce_with_norms(xs, norms, op="mean",
-                                                                                  fusion_bytes=fb))
-    for fusion_bytes in [None, 64, 0]:
-        for norms in [True, False]:
-            for how, call in (("eager", kungfu.ops.group_all_reduce_with_norms),
-                              ("function", lambda xs, n, op, fusion_bytes: fn(xs, tf.constant(n), fusion_bytes))):
-                ys, local_sq, reduced_sq = call(xs, norms, op="mean", fusion_bytes=fusion_bytes)
-                what = f"{how} fusion={fusion_bytes} norms={norms}"
-                for k, ((s, d), y) in enumerate(zip(specs, ys)):
-                    assert_equal(y, expected_reduce(s, d, "mean", size, salt=k), f"{what} #{k}")
-                if not norms:
-                    assert float(local_sq) == 0 and float(reduced_sq) == 0, (what, float(local_sq), float(reduced_sq))
-                    continue
-                np.testing.assert_allclose(float(local_sq), local_want, rtol=1e-5, err_msg=what)
-                np.testing.assert_allclose(float(reduced_sq), sum(_squares(y) for y in ys), rtol=1e-5, err_msg=what)
+    halves = [([7], tf.float16), ([3, 3], tf.bfloat16)]
+    fn = tf.function(lambda xs, norms, op, fb: kungfu.ops.group_all_reduce_with_norms(xs, norms, op=op,
+                                                                                      fusion_bytes=fb))
+    for specs in (mixed, halves):
+        for op in ["mean", "sum"]:
+            xs = [data(rank, s, d, op, salt=k) for k, (s, d) in enumerate(specs)]
+            local_want = np.mean([sum(_squares(data(r, s, d, op, salt=k)) for k, (s, d) in enumerate(specs))
+                                  for r in range(size)])
+            for fusion_bytes in [None, 64, 0]:
+                for norms in [True, False]:
+                    for how, call in (("eager", kungfu.ops.group_all_reduce_with_norms),
+                                      ("function", lambda xs, n, op, fusion_bytes: fn(xs, tf.constant(n), op,
+                                                                                      fusion_bytes))):
+                        ys, local_sq, reduced_sq = call(xs, norms, op=op, fusion_bytes=fusion_bytes)
+                        what = f"{how} {op} {len(specs)} tensors fusion={fusion_bytes} norms={norms}"
+                        for k, ((s, d), y) in enumerate(zip(specs, ys)):
+                            assert_equal(y, expected_reduce(s, d, op, size, salt=k), f"{what} #{k}")
+                        if not norms:
+                            assert float(local_sq) == 0 and float(reduced_sq) == 0, (what, local_sq, reduced_sq)
+                            continue
+                        np.testing.assert_allclose(float(local_sq), local_want, rtol=1e-5, err_msg=what)
+                        np.testing.assert_allclose(float(reduced_sq), sum(_squares(y) for y in ys), rtol=1e-5,
+                                                   err_msg=what)
     try:
         kungfu.ops.group_all_reduce_with_norms([tf.constant([1, 2])])
         raise AssertionError("an int tensor must be refused")

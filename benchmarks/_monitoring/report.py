@@ -98,8 +98,8 @@ NOTES = [
     'one epoch of each in turn (in an order rotated from round to round), so bursts of load from other '
     'programs fall on every configuration alike. overhead per round compares configurations of the same launch.',
     'A monitored step takes both squared gradient norms from the gradients\' all-reduce '
-    '(KfGroupAllReduceNorms sums the squares while it packs and unpacks the bucket, plus one all-reduce of '
-    'one double for the workers\' mean local norm), then, before the optimizer\'s update, one KfMonitorRecord '
+    '(KfGroupAllReduceNorms sums the squares while it packs and unpacks the bucket, and carries this '
+    'worker\'s sum as one more element of it), then, before the optimizer\'s update, one KfMonitorRecord '
     'op (GNS, variance and SNR) and one variable assignment. Throughput (step_time) is one KfStepClock op at '
     'every step whenever monitors are on, so interval 8 still pays for it and for the tf.cond.',
     'CPU ms/step per worker: the CPU time of each worker process (all its threads, the engine\'s included) '

@@ -84,7 +84,8 @@ def group_all_reduce_with_norms(xs, norms=True, op="sum", name=None, fusion_byte
     over the workers of each worker's sum of squares of its xs, and reduced_sq the sum of squares of the
     outputs, both float32 scalars; when it is false both are 0 and nothing more is sent. The squares
     are summed while the op packs and unpacks its buckets, which read the data anyway (tensors reduced
-    alone are read once more); local_sq costs one more collective of one double.
+    alone are read once more). The workers' local sums travel as one more element of the last packed
+    float32 or float64 bucket (with op sum or mean; otherwise as an all-reduce of one double of their own).
     """
     op = _reduce_op(op, "group_all_reduce_with_norms")
     _lib.require_init("kungfu.group_all_reduce_with_norms")
