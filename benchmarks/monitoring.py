@@ -2,7 +2,7 @@
 S-SGD on 2 workers under kfrun, with the monitors off, with monitor=["gns", "variance", "snr"] at
 monitor_interval=1, and at monitor_interval=8.
 
-    python3 benchmarks/monitoring.py              # 3 rounds, about 4 minutes on 2 cores
+    python3 benchmarks/monitoring.py              # 6 rounds, about 7 minutes on 2 cores
     python3 benchmarks/monitoring.py --quick      # a smoke run of about 1 minute
     python3 benchmarks/monitoring.py --rounds=8 --steps=200
 
@@ -34,9 +34,9 @@ SECONDS_PER_STEP_BOUND = 0.5  # a generous bound on one 2-worker step on 2 loade
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('batch', 32, 'rows per worker per step')
 flags.DEFINE_integer('steps', 100, 'steps per epoch; epochs are the unit of timing')
-flags.DEFINE_integer('epochs', 6, 'timed epochs per configuration and round')
+flags.DEFINE_integer('epochs', 10, 'timed epochs per configuration and round')
 flags.DEFINE_integer('warmup', 1, 'untimed epochs per configuration and round before the timed ones')
-flags.DEFINE_integer('rounds', 3, 'kfrun launches, each training every configuration')
+flags.DEFINE_integer('rounds', 6, 'kfrun launches, each training every configuration')
 flags.DEFINE_bool('quick', False, 'smoke run: defaults --steps=20 --epochs=2 --rounds=1')
 flags.DEFINE_float('kungfu_timeout', 120, 'kfrun --timeout: seconds any KungFu wait may take')
 flags.DEFINE_enum('bind_to', 'core', ['none', 'core'], 'kfrun --bind-to: core gives each worker its own '
