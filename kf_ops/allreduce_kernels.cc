@@ -78,7 +78,7 @@ class GroupCompletion {
   AsyncOpKernel::DoneCallback done_;
   std::mutex mu_;
   absl::Status status_;  // first error of any part
-  size_t remaining_;
+  size_t remaining_;     // parts not finished yet
   double squares_ = 0;   // of the reduced values so far
   Tensor* reduced_sq_;   // KfGroupAllReduceNorms' output, or null
 };
@@ -97,7 +97,7 @@ class GroupAllReduceOp : public AsyncOpKernel {
   explicit GroupAllReduceOp(OpKernelConstruction* c) : GroupAllReduceOp(c, false) {}
 
   // Parts are keyed "<key>/<index>" (a tensor alone) and "<key>/bucket<part>"; the inputs' squared
-  // norm "<key>/sq".
+  // norm, when no bucket carries it, "<key>/sq".
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     std::string key;
     OP_REQUIRES_OK_ASYNC(ctx, KeyOf(ctx, &key), done);

@@ -8,11 +8,14 @@
 
 How it works. A wrapped optimizer with monitors owns a Monitors object: non-trainable tf.Variables
 (not tracked by Keras or checkpoints) that the training step's graph assigns. In the S-SGD branch,
-every k-th step (iterations % k == 0, a tf.cond, so k costs no retrace), each worker's squared
-gradient norm rides along in the gradients' own all-reduce (no extra collective), and the mean of the
-workers' squared norms stands for |G_small|^2 in the gradient noise scale: every input is then
-all-reduced, so every worker computes the same numbers. Throughput (step_time, samples_per_sec) is
-measured in the graph at every step, with tf.timestamp(), and is this worker's own. See
+every k-th step (iterations % k == 0, a tf.cond, so k costs no retrace), the gradients' own all-reduce
+(KfGroupAllReduceNorms) also gives the workers' mean squared gradient norm and the squared norm of the
+mean gradient, summed as it copies the gradients (no extra collective, no pass of their own; with a
+sparse gradient, this worker's norm rides in the last bucket instead); the mean of the workers' squared
+norms stands for |G_small|^2 in the gradient noise scale: every input is then all-reduced, so every
+worker computes the same numbers. One KfMonitorRecord op turns them into the estimates. Throughput
+(step_time, samples_per_sec) is measured in the graph at every step by a KfStepClock op, and is this
+worker's own. See
 docs/monitoring.md ("Using monitors"). kungfu.rewrite(fn, monitors=[...]) uses the same Monitors from
 its monitor pass (kungfu/_rewrite/monitors.py), counting the step's calls instead of iterations.
 
@@ -20,8 +23,7 @@ One worker has no second batch size: update_one_worker() pairs this step's gradi
 step's (a copy kept in variables, made on the step before each due step), the pair standing for the big
 batch. The estimate is biased (docs/monitoring.md, "One worker").
 
-Cost: each squared norm is one op over the whole gradient list (KfSquaredNorm: one pass, no temporary);
-with monitor_interval=1 no tf.cond is built for the interval.
+Cost: see docs/monitoring.md ("Cost"); with monitor_interval=1 no tf.cond is built for the interval.
 collective_stats() reads the engine's per-collective counters (bytes, calls, latency).
 
 Threading: the registry of monitors is guarded by a lock; a Monitors object is written by the
