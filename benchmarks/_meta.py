@@ -62,6 +62,21 @@ def publish(text, out):
         print('written to ' + out)
 
 
+SECONDS_PER_STEP_BOUND = 0.5  # a generous bound on one 2-worker step on 2 loaded cores, for the deadlines
+
+
+def launch_timeout(steps, runs):
+    """Seconds one launch may take that trains `runs` models or configurations for `steps` steps each:
+    start-up (TF import, cluster set-up), then per run its tracing and steps at a generous step time."""
+    return 120 + runs * (30 + steps * SECONDS_PER_STEP_BOUND)
+
+
+def rotated(items, r):
+    """items rotated left by r: round r's order, so that each item runs in each position in turn."""
+    r %= len(items)
+    return items[r:] + items[:r]
+
+
 def read_ranks(out_dir, ranks=2):
     """The rank<r>.json results of a launch, in rank order, or None while any is missing."""
     import json

@@ -29,7 +29,6 @@ from _training import common
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = [dict(key='off', interval=0), dict(key='k1', interval=1), dict(key='k8', interval=8)]
-SECONDS_PER_STEP_BOUND = 0.5  # a generous bound on one 2-worker step on 2 loaded cores, for the deadline
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer('batch', 32, 'rows per worker per step')
@@ -51,19 +50,16 @@ def _flag(name):
     return QUICK[name] if FLAGS.quick and name in QUICK and not FLAGS[name].present else FLAGS[name].value
 
 
-def launch_timeout(plan):
-    steps = plan['steps'] * (plan['epochs'] + plan['warmup'])
-    return 120 + len(plan['configs']) * (30 + steps * SECONDS_PER_STEP_BOUND)
-
-
 def run_round(r, work_dir):
     """One launch training every configuration; returns (per-rank results or None, why, output tail)."""
     out_dir = tempfile.mkdtemp(prefix='round%d-' % r, dir=work_dir)
-    configs = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+    configs = _meta.rotated(CONFIGS, r)
     plan = dict(batch=FLAGS.batch, steps=_flag('steps'), epochs=_flag('epochs'), warmup=FLAGS.warmup,
                 configs=configs, out_dir=out_dir)
     return _meta.launch_round(r, os.path.join(HERE, '_monitoring', 'worker.py'), plan, out_dir, FLAGS.launcher,
-                              FLAGS.kungfu_timeout, launch_timeout(plan), common.PLAN_ENV, FLAGS.bind_to)
+                              FLAGS.kungfu_timeout,
+                              _meta.launch_timeout(plan['steps'] * (plan['epochs'] + plan['warmup']), len(configs)),
+                              common.PLAN_ENV, FLAGS.bind_to)
 
 
 def measure(work_dir, rounds, steps):

@@ -33,7 +33,6 @@ CONFIGS = [dict(key='none', kind='none', interval=1),
            dict(key='hook', kind='hook', interval=1), dict(key='graph', kind='graph', interval=1),
            dict(key='none2', kind='none', interval=1),  # a second no-policy run: what a zero cost measures as
            dict(key='hook10', kind='hook', interval=10), dict(key='graph10', kind='graph', interval=10)]
-SECONDS_PER_STEP_BOUND = 0.5  # a generous bound on one 2-worker step on 2 loaded cores, for the deadline
 
 FLAGS = flags.FLAGS
 flags.DEFINE_enum('model', 'small', ['mlp', 'small', 'cnn'], 'mlp, cnn: the models of benchmarks/_training/common.py; '
@@ -57,19 +56,16 @@ def _flag(name):
     return QUICK[name] if FLAGS.quick and name in QUICK and not FLAGS[name].present else FLAGS[name].value
 
 
-def launch_timeout(plan):
-    steps = plan['steps'] * (plan['epochs'] + plan['warmup'])
-    return 120 + len(plan['configs']) * (30 + steps * SECONDS_PER_STEP_BOUND)
-
-
 def run_round(r, work_dir):
     """One launch training every configuration; returns (per-rank results or None, why, output tail)."""
     out_dir = tempfile.mkdtemp(prefix='round%d-' % r, dir=work_dir)
-    configs = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+    configs = _meta.rotated(CONFIGS, r)
     plan = dict(model=FLAGS.model, steps=_flag('steps'), epochs=_flag('epochs'), warmup=FLAGS.warmup,
                 configs=configs, out_dir=out_dir)
     return _meta.launch_round(r, os.path.join(HERE, '_policies', 'worker.py'), plan, out_dir, FLAGS.launcher,
-                              FLAGS.kungfu_timeout, launch_timeout(plan), common.PLAN_ENV, FLAGS.bind_to)
+                              FLAGS.kungfu_timeout,
+                              _meta.launch_timeout(plan['steps'] * (plan['epochs'] + plan['warmup']), len(configs)),
+                              common.PLAN_ENV, FLAGS.bind_to)
 
 
 def measure(work_dir, rounds):

@@ -47,7 +47,6 @@ flags.DEFINE_string('out', os.path.join(os.path.dirname(os.path.abspath(__file__
                     'markdown report path; empty to skip')
 
 QUICK = dict(steps=10, epochs=2, rounds=1)  # --quick's values for flags not given
-SECONDS_PER_STEP_BOUND = 0.5  # a generous bound on one 2-worker step on 2 loaded cores, for the deadline
 
 
 def _flag(name):
@@ -64,8 +63,7 @@ def launch_timeout(plan):
     if FLAGS.launch_timeout:
         return FLAGS.launch_timeout
     # start-up (TF import, cluster set-up) plus, per model, tracing and the epochs at a generous step time
-    steps = plan['steps'] * (plan['epochs'] + plan['warmup'])
-    return 120 + len(plan['models']) * (30 + steps * SECONDS_PER_STEP_BOUND)
+    return _meta.launch_timeout(plan['steps'] * (plan['epochs'] + plan['warmup']), len(plan['models']))
 
 
 def read_ranks(out_dir, ranks):
