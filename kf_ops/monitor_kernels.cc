@@ -11,14 +11,14 @@
 // convex combination of accepted estimates) always fit the float outputs.
 //
 // The squared norms are Eigen expressions: one fused, vectorised pass per tensor (and per sum), with no
-// temporary. Each tensor is summed in its accumulation type (float for half and bfloat16, else its own),
+// temporary; a float32 tensor that one thread sums goes through kf_ops/squares.cc (AVX2 where the CPU
+// has it). Each tensor is summed in its accumulation type (float for half and bfloat16, else its own),
 // and the tensors' sums in double. A tensor is summed on the op's own thread unless it is very large
 // (kParallelElements): in a training step the intra-op pool is busy with the step's other ops, and a
 // reduction split over it waits for their turn (profiled: a monitored step's two norms took 5x longer
 // split than on one thread, which sums a model of a million floats in about 0.1 ms).
 #define EIGEN_USE_THREADS  // the squared norms run on the op's thread-pool device
 
-#include <algorithm>
 #include <cfloat>
 #include <chrono>
 #include <cmath>
@@ -29,9 +29,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "kf_ops/squares.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
-#include "kf_ops/squares.h"
 #include "unsupported/Eigen/CXX11/Tensor"
 
 namespace kungfu_tf {

@@ -50,7 +50,7 @@ def test_bad_modes_and_ranks_are_errors():
         _bind.check_mode("socket")
     with pytest.raises(ValueError, match=r"local rank 2 is not in \[0, 2\)"):
         _bind.cpus_for(2, 2, [0, 1])
-    assert _bind.bind_from_env(0, 1, environ={}) is None  # unset: nothing is bound
+    assert _bind.bind("none", 0, 1) is None  # nothing is bound
 
 
 def test_worker_env_carries_the_mode_only_when_binding():

@@ -60,9 +60,3 @@ def bind(mode, local_rank, local_size):
         except ProcessLookupError:
             pass  # the thread ended meanwhile
     return cpus
-
-
-def bind_from_env(local_rank, local_size, environ=None):
-    """bind() with the mode of KUNGFU_BIND_TO (default "none")."""
-    environ = os.environ if environ is None else environ
-    return bind(environ.get(ENV, "none"), local_rank, local_size)
