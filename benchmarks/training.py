@@ -11,7 +11,6 @@ plain Keras processes at once (see _training/report.py for how the shares are co
 all models; each launch has a deadline, after which every process it started is killed. A launch that fails
 is reported with its output's tail and the rest still run. The table is printed and written to --out.
 """
-import json
 import os
 import platform
 import sys
@@ -66,18 +65,6 @@ def launch_timeout(plan):
     return _meta.launch_timeout(plan['steps'] * (plan['epochs'] + plan['warmup']), len(plan['models']))
 
 
-def read_ranks(out_dir, ranks):
-    """[per-rank results] once every rank wrote its file, else None."""
-    paths = [os.path.join(out_dir, 'rank%d.json' % r) for r in range(ranks)]
-    if not all(os.path.exists(p) for p in paths):
-        return None
-    out = []
-    for p in paths:
-        with open(p) as f:
-            out.append(json.load(f))
-    return out
-
-
 def run_system(system, work_dir):
     """One launch of system; returns (per-rank results or None, why it failed, output tail)."""
     out_dir = tempfile.mkdtemp(prefix=system.key + '-', dir=work_dir)
@@ -87,8 +74,8 @@ def run_system(system, work_dir):
     print('[%s] %s (deadline %.0f s)' % (time.strftime('%H:%M:%S'), system.label, timeout), flush=True)
     t0 = time.monotonic()
     _, why, tail = launch.run_group([c for c, _ in procs], [e for _, e in procs], out_dir, timeout,
-                                     done=lambda: read_ranks(out_dir, system.ranks) is not None)
-    per_rank = read_ranks(out_dir, system.ranks)
+                                     done=lambda: _meta.read_ranks(out_dir, system.ranks) is not None)
+    per_rank = _meta.read_ranks(out_dir, system.ranks)
     if per_rank is None:
         why = why or 'no results written'
         print('    failed: %s\n%s' % (why, tail), flush=True)
