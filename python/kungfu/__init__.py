@@ -51,5 +51,7 @@ def __getattr__(name):
     if name in _LAZY:
         module, attribute = _LAZY[name]
         module = importlib.import_module(module, __name__)
-        return module if attribute is None else getattr(module, attribute)
+        value = module if attribute is None else getattr(module, attribute)
+        globals()[name] = value  # later lookups find it directly (an eager collective is called per step)
+        return value
     raise AttributeError(f"module 'kungfu' has no attribute {name!r}")

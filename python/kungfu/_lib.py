@@ -90,7 +90,8 @@ def load():
 
 def op_module():
     """The generated op wrappers (kf_all_reduce, kf_broadcast, ...)."""
-    return load().ops
+    library = _library  # every eager collective comes here: once loaded, skip load()'s lock
+    return (library or load()).ops
 
 
 def init():

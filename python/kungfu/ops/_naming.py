@@ -100,11 +100,14 @@ def _claim(graph, name, op):
 def token():
     """A fresh ordering token for one collective call."""
     global _token_variable
-    with _lock:
-        if _token_variable is None:
-            with tf.init_scope(), tf.device("CPU:0"):
-                _token_variable = tf.Variable(0, trainable=False, name="kungfu_token", dtype=tf.int32)
-    handle = _token_variable.handle
+    variable = _token_variable  # set once; the lock is for the first call only
+    if variable is None:
+        with _lock:
+            if _token_variable is None:
+                with tf.init_scope(), tf.device("CPU:0"):
+                    _token_variable = tf.Variable(0, trainable=False, name="kungfu_token", dtype=tf.int32)
+            variable = _token_variable
+    handle = variable.handle
     if tf.executing_eagerly():
         return handle  # eager ops run one at a time anyway
     return tf.raw_ops.IdentityN(input=[handle])[0]

@@ -29,7 +29,8 @@ def _reduce_op(op, what):
 
 
 def _tensor(x, dtypes, what):
-    x = tf.convert_to_tensor(x)
+    if not isinstance(x, tf.Tensor):
+        x = tf.convert_to_tensor(x)
     if x.dtype not in dtypes:
         raise TypeError(f"{what}: dtype {x.dtype.name} is not supported; use one of "
                         f"{', '.join(d.name for d in dtypes)}")
