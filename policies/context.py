@@ -184,6 +184,21 @@ class Context:
             store.setdefault(name, value)
         return State(store)
 
+
+# On a policy compiled into a step, name -> the tf.Variable that holds that part of its memory (set by
+# kungfu's graph context, python/kungfu/_policy/graph.py).
+GRAPH_STATE_ATTR = "_kungfu_graph_state"
+
+
+def state_values(policy):
+    """policy's memory as it stands now, name -> value, for logs: what its Python hooks keep, and, where
+    kungfu.rewrite or an optimizer compiled it into a step, the values in that step's variables (read
+    eagerly; these win, as the compiled copy is the one that runs). Empty before the first call."""
+    values = dict(policy.__dict__.get("_kungfu_state", {}))
+    for name, variable in policy.__dict__.get(GRAPH_STATE_ATTR, {}).items():
+        values[name] = variable.numpy()
+    return values
+
     def __repr__(self):
         fields = ("step", "epoch", "samples_seen", "batch_size", "learning_rate", "strategy", "cluster_size")
         return "Context(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in fields) + f", metrics={self.metrics!r})"

@@ -27,7 +27,7 @@ Everything in after_step is branch-free (ctx.math, when=), so the policy compile
 
 from . import _readings as rd
 from .base import BasePolicy
-from .context import Context
+from .context import state_values
 from .lr_scaling import base_values
 from .lr_scaling import check_rule
 from .lr_scaling import scaled_learning_rate
@@ -61,7 +61,8 @@ class GNSBatchSizePolicy(BasePolicy):
 
     For logs: describe_last() says what the last call decided; the state fields behind it are
     last_step, last_batch (before the decision), last_target, last_gain, last_gns, last_change (the step of
-    the last change) and num_changes, read with Context().state(policy).
+    the last change) and num_changes, read with policies.context.state_values(policy). Both work for the
+    policy run as a Python hook and compiled into the step.
     """
 
     compilable = True
@@ -163,9 +164,9 @@ class GNSBatchSizePolicy(BasePolicy):
 
     def describe_last(self):
         """What the last call decided, as a line for logs; None before the first call."""
-        s = Context().state(self)
-        values = {k: getattr(s, k, None) for k in ("last_step", "last_batch", "last_target", "last_gain",
-                                                   "last_gns", "last_change")}
+        s = state_values(self)
+        values = {k: s.get(k) for k in ("last_step", "last_batch", "last_target", "last_gain", "last_gns",
+                                        "last_change")}
         if values["last_step"] is None or float(values["last_step"]) <= 0:
             return None
         step, batch, target, gain, gns, changed = (float(v) for v in values.values())

@@ -26,6 +26,7 @@ import tensorflow as tf
 from .. import _lib
 from ..errors import PolicyError
 from ..policies import base
+from ..policies.context import GRAPH_STATE_ATTR
 from ..policies.context import STRATEGIES
 from ..policies.context import strategy_name
 from .controls import is_distributed
@@ -278,6 +279,8 @@ class CompiledPolicies:
                     self._state[(i, name)] = tf.Variable(value, trainable=False, dtype=dtype,
                                                          name=f"kungfu_policy_state_{name}")
             out[name] = self._state[(i, name)]
+        # for logs read outside the step (policies.context.state_values, describe_last())
+        policy.__dict__.setdefault(GRAPH_STATE_ATTR, {}).update(out)
         return out
 
     def build(self, after):
