@@ -184,6 +184,10 @@ class Context:
             store.setdefault(name, value)
         return State(store)
 
+    def __repr__(self):
+        fields = ("step", "epoch", "samples_seen", "batch_size", "learning_rate", "strategy", "cluster_size")
+        return "Context(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in fields) + f", metrics={self.metrics!r})"
+
 
 # On a policy compiled into a step, name -> the tf.Variable that holds that part of its memory (set by
 # kungfu's graph context, python/kungfu/_policy/graph.py).
@@ -198,7 +202,3 @@ def state_values(policy):
     for name, variable in policy.__dict__.get(GRAPH_STATE_ATTR, {}).items():
         values[name] = variable.numpy()
     return values
-
-    def __repr__(self):
-        fields = ("step", "epoch", "samples_seen", "batch_size", "learning_rate", "strategy", "cluster_size")
-        return "Context(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in fields) + f", metrics={self.metrics!r})"

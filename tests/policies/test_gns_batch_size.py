@@ -4,6 +4,8 @@ learning rate that follows, and the step-time fit that decides how far growing p
 import pytest
 
 from policies.context import Context
+from policies.context import GRAPH_STATE_ATTR
+from policies.context import state_values
 from policies.gns_batch_size import gns_batch_size
 from policies.gns_batch_size import predicted_gain
 
@@ -208,3 +210,27 @@ def test_repr_shows_the_configuration():
     r = repr(gns_batch_size(64, 1024, lr_rule="linear"))
     assert r.startswith("gns_batch_size(64, 1024, interval=10,") and "lr_rule='linear'" in r
     assert gns_batch_size(64, 1024).compilable
+
+
+class _FakeVariable:
+    """What a compiled policy's memory is held in (a tf.Variable), as far as state_values reads it."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def numpy(self):
+        return self.value
+
+
+def test_describe_last_reads_a_compiled_policys_variables():
+    p = eager()
+    p.after_step(ctx(1, 64, gns=1000.0))  # the hook's memory, then a compiled copy's, which wins
+    values = dict(last_step=7.0, last_batch=128.0, last_target=256.0, last_gain=0.1, last_gns=900.0,
+                  last_change=7.0)
+    p.__dict__[GRAPH_STATE_ATTR] = {k: _FakeVariable(v) for k, v in values.items()}
+    assert state_values(p)["last_step"] == 7.0
+    assert p.describe_last() == "step 7: noise scale 900, target 256 (predicted gain +10.0%): batch 128 -> 256"
+
+
+def test_context_repr_names_its_readings():
+    assert repr(Context(step=3, batch_size=64, cluster_size=2)).startswith("Context(step=3, epoch=0, ")
