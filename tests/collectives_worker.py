@@ -213,6 +213,53 @@ def all_gather_differing_first_dims():
     assert_equal(y, np.concatenate([data(r, [ROWS[r % 4], 2, 2], tf.float64) for r in range(size)]), "in function")
 
 
+
+class _Unpicklable:
+    def __reduce__(self):
+        raise TypeError("this object refuses to be pickled")
+
+
+@check
+def python_objects():
+    rank, size = kungfu.rank(), kungfu.size()
+    for root in range(size):
+        mine = {"root": rank, "config": [1.5, None, "x" * rank], "big": bytes(range(256)) * 4000 * (rank + 1)}
+        got = kungfu.broadcast_object(mine, root=root)
+        assert got == {"root": root, "config": [1.5, None, "x" * root], "big": bytes(range(256)) * 4000 * (root + 1)}, \
+            f"broadcast_object from {root}: {str(got)[:80]}"
+    gathered = kungfu.all_gather_object(("rank", rank, list(range(rank))))
+    assert gathered == [("rank", r, list(range(r))) for r in range(size)], gathered
+    assert kungfu.all_gather_object(None, name="nones") == [None] * size
+
+    # A worker that cannot pickle its object raises its own error; the others raise KungFuError naming it,
+    # and none waits for bytes that never come.
+    bad = size - 1
+    try:
+        kungfu.broadcast_object(_Unpicklable() if rank == bad else 0, root=bad)
+        raise AssertionError("broadcast_object of an unpicklable object returned")
+    except TypeError as e:
+        assert rank == bad and "refuses" in str(e), (rank, e)
+    except kungfu.errors.KungFuError as e:
+        assert rank != bad and f"rank {bad}" in str(e), (rank, e)
+    try:
+        kungfu.all_gather_object(_Unpicklable() if rank == bad else rank)
+        raise AssertionError("all_gather_object with an unpicklable object returned")
+    except TypeError as e:
+        assert rank == bad and "refuses" in str(e), (rank, e)
+    except kungfu.errors.KungFuError as e:
+        assert rank != bad and f"rank(s) {bad} " in str(e), (rank, e)
+    assert kungfu.broadcast_object("still in step", root=0) == "still in step"  # the workers still agree
+
+    @tf.function
+    def in_function():
+        return kungfu.broadcast_object(1)
+
+    try:
+        in_function()
+        raise AssertionError("broadcast_object inside tf.function did not raise")
+    except RuntimeError as e:
+        assert "eagerly only" in str(e), e
+
 @check
 def barrier_and_consensus():
     rank, size = kungfu.rank(), kungfu.size()

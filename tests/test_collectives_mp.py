@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("kungfu_library")  # fails, naming the fix,
 WORKER = os.path.join(REPO, "tests", "collectives_worker.py")
 CHECKS = ["all_reduce_values_eager", "all_reduce_values_in_one_function", "group_all_reduce_values",
           "group_all_reduce_with_norms_values",
-          "broadcast_from_every_root", "all_gather_differing_first_dims", "barrier_and_consensus",
+          "broadcast_from_every_root", "all_gather_differing_first_dims", "python_objects", "barrier_and_consensus",
           "mismatches_fail_on_every_worker", "rank_dependent_order_in_one_function",
           "independent_collectives_run_together", "unused_and_identical_collectives_run"]
 

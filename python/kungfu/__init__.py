@@ -6,8 +6,9 @@
 
 Importing kungfu is cheap: it neither imports TensorFlow nor loads the library nor starts a thread.
 init() loads the library and starts the engine; the collectives (all_reduce, group_all_reduce,
-broadcast, all_gather, barrier, consensus) and the training API (DistributedGradientTape,
-broadcast_variables, rewrite, kungfu.optimizers, kungfu.keras) import TensorFlow on first access.
+broadcast, all_gather, barrier, consensus; broadcast_object and all_gather_object for Python
+objects) and the training API (DistributedGradientTape, broadcast_variables, rewrite,
+kungfu.optimizers, kungfu.keras) import TensorFlow on first access.
 Errors are in kungfu.errors. See docs/api.md and docs/training.md.
 """
 
@@ -22,7 +23,8 @@ from ._lib import local_size
 from ._lib import rank
 from ._lib import size
 
-_COLLECTIVES = ("all_reduce", "group_all_reduce", "broadcast", "all_gather", "barrier", "consensus")
+_COLLECTIVES = ("all_reduce", "group_all_reduce", "broadcast", "all_gather", "barrier", "consensus",
+                "broadcast_object", "all_gather_object")
 # These need TensorFlow, so they are imported on first use (PEP 562): name -> (module, attribute).
 _LAZY = {
     **{name: (".ops", name) for name in _COLLECTIVES},
