@@ -143,3 +143,58 @@ def test_metric_average_callback_leaves_one_worker_logs_alone():
     logs = {"loss": 0.5, "accuracy": np.float32(0.25), "note": "text"}
     callbacks.MetricAverageCallback().on_epoch_end(0, logs)
     assert logs == {"loss": 0.5, "accuracy": np.float32(0.25), "note": "text"}
+
+
+class _RecordRate(keras.callbacks.Callback):
+    """The learning rate each batch trains with (read after the callbacks before it have set it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.rates = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.rates.append(float(self.model.optimizer.learning_rate.numpy()))
+
+
+def test_warmup_callback_ramps_the_rate_batch_by_batch_then_leaves_it():
+    model, x, y = model_and_data()  # 64 samples, batch 16: 4 batches an epoch
+    model.compile(optimizer=optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.5)), loss="mse")
+    record = _RecordRate()
+    warmup = callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=1.5, start_lr=0.1)
+    model.fit(x, y, batch_size=16, epochs=3, callbacks=[warmup, record], verbose=0)
+    ramp = [0.1 + 0.3 * min(i / 6, 1) for i in range(7)]  # 1.5 epochs = 6 batches, then initial_lr
+    assert record.rates == pytest.approx(ramp + [0.4] * 5)
+    assert warmup.rate(0, 0) == pytest.approx(0.1) and warmup.rate(9, 0) == pytest.approx(0.4)
+
+
+def test_warmup_callback_starts_from_the_rate_over_size():
+    model, x, y = model_and_data()
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    warmup = callbacks.LearningRateWarmupCallback(0.2, warmup_epochs=1)
+    model.fit(x, y, batch_size=32, epochs=1, callbacks=[warmup], verbose=0)
+    assert warmup.rate(0, 0) == pytest.approx(0.2 / kungfu.size())
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: callbacks.LearningRateWarmupCallback(0), "initial_lr must be a number > 0"),
+    (lambda: callbacks.LearningRateWarmupCallback(0.1, warmup_epochs=-1), "warmup_epochs must be"),
+    (lambda: callbacks.LearningRateWarmupCallback(0.1, steps_per_epoch="4"), "steps_per_epoch must be"),
+])
+def test_warmup_callback_bad_arguments(call, words):
+    with pytest.raises(ValueError, match=words):
+        call()
+
+
+def test_warmup_callback_refuses_a_schedule_and_an_unknown_epoch_length():
+    model, x, y = model_and_data()
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.9)
+    model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
+    with pytest.raises(ValueError, match="must be a number, not a LearningRateSchedule"):
+        model.fit(x, y, batch_size=16, epochs=1, callbacks=[callbacks.LearningRateWarmupCallback(0.1)], verbose=0)
+    model, x, y = model_and_data()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    unknown_length = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(16)
+    with pytest.raises(ValueError, match="pass steps_per_epoch"):
+        model.fit(unknown_length, epochs=1, callbacks=[callbacks.LearningRateWarmupCallback(0.1)], verbose=0)
+    model.fit(unknown_length, epochs=1, verbose=0,
+              callbacks=[callbacks.LearningRateWarmupCallback(0.1, steps_per_epoch=4)])

@@ -6,8 +6,10 @@
 """
 
 from .broadcast_global_variables import BroadcastGlobalVariablesCallback
+from .lr_warmup import LearningRateWarmupCallback
 from .metric_average import MetricAverageCallback
 from .monitor import MonitorCallback
 from .policy import PolicyCallback
 
-__all__ = ["BroadcastGlobalVariablesCallback", "MetricAverageCallback", "MonitorCallback", "PolicyCallback"]
+__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateWarmupCallback", "MetricAverageCallback", "MonitorCallback",
+           "PolicyCallback"]

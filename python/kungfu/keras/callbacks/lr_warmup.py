@@ -1,0 +1,77 @@
+"""LearningRateWarmupCallback: a linear learning-rate warm-up over the first epochs (Goyal et al., 2017)."""
+
+import numbers
+
+import keras
+
+from ... import _lib
+
+
+class LearningRateWarmupCallback(keras.callbacks.Callback):
+    """Raises the learning rate linearly, batch by batch, from start_lr to initial_lr over the first
+    warmup_epochs epochs; from then on it leaves the rate alone (to a schedule, a policy or nobody).
+
+    The usual large-batch recipe: scale the single-worker rate by the number of workers
+    (initial_lr = lr · size()) and warm up to it from the single-worker rate, start_lr's default
+    initial_lr / size(). Every worker computes the same rate from the same epoch and batch, so no
+    collective is needed.
+
+    Args:
+        initial_lr: the rate reached at the end of the warm-up.
+        warmup_epochs: its length in epochs (a float is fine). Default 5.
+        steps_per_epoch: batches per epoch; default what model.fit knows (it raises ValueError when it
+            cannot know, e.g. for an endless dataset without steps_per_epoch).
+        start_lr: the rate of the first batch; default initial_lr / size().
+        verbose: 1 prints the rate at each epoch's start during the warm-up, on rank 0.
+
+    The optimizer's learning rate must be a number (a variable), not a LearningRateSchedule: that
+    raises ValueError when training begins. Momentum is not corrected as the rate changes.
+    """
+
+    def __init__(self, initial_lr, warmup_epochs=5, steps_per_epoch=None, start_lr=None, verbose=0):
+        super().__init__()
+        self.initial_lr = _positive("initial_lr", initial_lr)
+        self.warmup_epochs = _positive("warmup_epochs", warmup_epochs)
+        self.steps_per_epoch = None if steps_per_epoch is None else int(_positive("steps_per_epoch",
+                                                                                  steps_per_epoch))
+        self.start_lr = None if start_lr is None else _positive("start_lr", start_lr)
+        self.verbose = verbose
+        self._epoch = 0
+        self._steps = None
+        self._first_lr = None
+        self._finished = False  # the warm-up's last rate has been set
+
+    def on_train_begin(self, logs=None):
+        _lib.require_init("LearningRateWarmupCallback")
+        self._steps = self.steps_per_epoch or (self.params or {}).get("steps")
+        if not self._steps:
+            raise ValueError("LearningRateWarmupCallback: model.fit does not know the number of batches per epoch "
+                             "(an endless dataset?); pass steps_per_epoch")
+        self._first_lr = self.start_lr if self.start_lr is not None else self.initial_lr / _lib.size()
+        self._finished = False
+        try:
+            self.model.optimizer.learning_rate = self._first_lr
+        except (TypeError, ValueError) as e:
+            raise ValueError("LearningRateWarmupCallback: the optimizer's learning rate must be a number, not a "
+                             f"LearningRateSchedule ({e})") from e
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+        if self.verbose and epoch < self.warmup_epochs and _lib.rank() == 0:
+            print(f"LearningRateWarmupCallback: epoch {epoch + 1}, learning rate {self.rate(epoch, 0):.6g}")
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._finished:
+            self.model.optimizer.learning_rate = self.rate(self._epoch, batch)
+            self._finished = self._epoch + batch / self._steps >= self.warmup_epochs
+
+    def rate(self, epoch, batch):
+        """The rate of batch `batch` of epoch `epoch` (both from 0); initial_lr once the warm-up is over."""
+        done = min((epoch + batch / self._steps) / self.warmup_epochs, 1.0)
+        return self._first_lr + (self.initial_lr - self._first_lr) * done
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
+        raise ValueError(f"LearningRateWarmupCallback: {name} must be a number > 0, got {value!r}")
+    return value
