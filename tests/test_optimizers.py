@@ -198,3 +198,13 @@ def test_warmup_callback_refuses_a_schedule_and_an_unknown_epoch_length():
         model.fit(unknown_length, epochs=1, callbacks=[callbacks.LearningRateWarmupCallback(0.1)], verbose=0)
     model.fit(unknown_length, epochs=1, verbose=0,
               callbacks=[callbacks.LearningRateWarmupCallback(0.1, steps_per_epoch=4)])
+
+
+@pytest.mark.parametrize("make", [
+    lambda: optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1), compression="fp8"),
+    lambda: kungfu.DistributedGradientTape(tf.GradientTape(), compression=16),
+    lambda: kungfu.rewrite(lambda: None, compression="half"),
+])
+def test_an_unknown_compression_is_refused(make):
+    with pytest.raises(ValueError, match="compression must be one of none, fp16"):
+        make()

@@ -227,6 +227,62 @@ def indexed_slices_equal_densified():
         np.testing.assert_allclose(as_dense.numpy(), dense.numpy(), rtol=1e-6, atol=1e-6, err_msg=f"dense {how}")
 
 
+def _bytes_sent(fn):
+    """fn's result and the payload bytes this worker's engine sent while it ran."""
+    from kungfu import _lib
+
+    kungfu.barrier()
+    before = _lib.engine_stats()["bytes_sent"]
+    out = fn()
+    kungfu.barrier()
+    return out, _lib.engine_stats()["bytes_sent"] - before
+
+
+@check
+def fp16_compression_halves_the_bytes_and_keeps_the_mean():
+    """compression="fp16" on the three S-SGD paths: the same means to float16's precision, in float32,
+    with about half the bytes on the wire; training still matches the reference to float16's precision."""
+    x, y = local_data()
+    xb, yb = x[:LOCAL_BATCH], y[:LOCAL_BATCH]
+    model, loss = make_model(100), loss_fn()
+
+    def tape_grads(compression):
+        with tf.GradientTape() as tape:
+            value = loss(yb, model(xb, training=True))
+        return kungfu.DistributedGradientTape(tape, fusion_bytes=0, compression=compression).gradient(
+            value, model.trainable_variables)
+
+    plain, plain_bytes = _bytes_sent(lambda: tape_grads(None))
+    half, half_bytes = _bytes_sent(lambda: tape_grads("fp16"))
+    for p, h in zip(plain, half):
+        if h.dtype != tf.float32:
+            raise AssertionError(f"a compressed gradient came back as {h.dtype.name}")
+        np.testing.assert_allclose(h.numpy(), p.numpy(), rtol=2e-3, atol=1e-4, err_msg="tape, fp16 against plain")
+    if not 0.4 * plain_bytes <= half_bytes <= 0.6 * plain_bytes:
+        raise AssertionError(f"fp16 sent {half_bytes} bytes against {plain_bytes} uncompressed")
+
+    x, y = local_data()
+    model = make_model(100)
+    model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(sgd(), compression="fp16"), loss=loss_fn())
+    model.fit(x, y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    want = reference_weights(sgd)
+    for i, (g, w) in enumerate(zip(model.get_weights(), want)):
+        np.testing.assert_allclose(g, w, rtol=0, atol=2e-3, err_msg=f"model.fit with fp16, weight {i}")
+
+    model, opt, loss = make_model(100), adam(), loss_fn()
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        grads = tape.gradient(value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    step = kungfu.rewrite(step, compression="fp16")
+    for t in range(STEPS):
+        step(x[t * LOCAL_BATCH:(t + 1) * LOCAL_BATCH], y[t * LOCAL_BATCH:(t + 1) * LOCAL_BATCH])
+    for i, (g, w) in enumerate(zip(model.get_weights(), reference_weights(adam))):
+        np.testing.assert_allclose(g, w, rtol=0, atol=2e-3, err_msg=f"kungfu.rewrite with fp16, weight {i}")
+
 @check
 def metric_average_callback_agrees():
     x, y = local_data()

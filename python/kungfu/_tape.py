@@ -13,6 +13,7 @@ kungfu/optimizers/_reduce.py. Every other method and attribute is the wrapped ta
 import tensorflow as tf
 
 from . import _lib
+from .ops import _compression
 from .optimizers import _reduce
 
 
@@ -21,14 +22,17 @@ class DistributedGradientTape:
 
     fusion_bytes: gradient bucket size (default 4 MiB; 0: one collective per gradient).
     sparse_as_dense: all-reduce IndexedSlices gradients as dense tensors instead of all-gathering them.
+    compression: None or "fp16", which sends dense float32/float64 gradients as float16 (half the bytes;
+    see kungfu/ops/_compression.py).
     """
 
-    def __init__(self, tape, fusion_bytes=None, sparse_as_dense=False):
+    def __init__(self, tape, fusion_bytes=None, sparse_as_dense=False, compression=None):
         if not isinstance(tape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}")
         self._tape = tape
         self._fusion_bytes = _reduce.check_fusion_bytes(fusion_bytes)
         self._sparse_as_dense = bool(sparse_as_dense)
+        self._compression = _compression.check(compression, "DistributedGradientTape")
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
@@ -37,7 +41,8 @@ class DistributedGradientTape:
         if _lib.size() == 1:
             return grads
         flat_grads, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
-        reduced = _reduce.mean_gradients(flat_grads, flat_sources, self._fusion_bytes, self._sparse_as_dense)
+        reduced = _reduce.mean_gradients(flat_grads, flat_sources, self._fusion_bytes, self._sparse_as_dense,
+                                         compression=self._compression)
         return tf.nest.pack_sequence_as(grads, reduced)
 
     def __enter__(self):

@@ -16,6 +16,7 @@ import tensorflow as tf
 
 from .. import _lib
 from .. import monitor as _monitor
+from ..ops import _compression
 from . import _conventions
 from . import find
 from . import passes as passes_lib
@@ -26,7 +27,7 @@ from .ssgd import ssgd
 STRATEGIES = {"ssgd": (ssgd,)}  # strategy -> its passes, applied in order
 
 
-def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, monitors=None, monitor_interval=1, local_batch_size=None,
+def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, compression=None, monitors=None, monitor_interval=1, local_batch_size=None,
             monitor_alpha=_monitor.DEFAULT_ALPHA, policies=None, optimizer=None, dataset=None, batch_size=None):
     """Returns fn with KungFu collectives inserted on its gradients; fn's code does not change.
 
@@ -36,6 +37,8 @@ def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, monitors=None, monitor_in
     strategy: "ssgd" (synchronous SGD): every gradient becomes its mean over the workers.
     fusion_bytes: dense gradients are all-reduced in buckets of about this many bytes, in backward-pass
     order, so that collectives overlap with the backward pass (default 4 MiB; 0: one per gradient).
+    compression: None or "fp16", which sends dense float32/float64 gradients as float16 (half the bytes;
+    see kungfu/ops/_compression.py).
     monitors: None or a list from "gns", "variance", "snr", computed every monitor_interval calls as
     the optimizer wrappers compute them; read them with kungfu.monitor.latest(step) (or the step's
     name). local_batch_size: this worker's batch size (a number or a tf.Variable), needed for "gns"
@@ -63,7 +66,8 @@ def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, monitors=None, monitor_in
                                                            monitor_alpha)
     except ValueError as e:
         raise ValueError(f"kungfu.rewrite: {e}") from None
-    options = {"fusion_bytes": fusion_bytes}
+    options = {"fusion_bytes": fusion_bytes,
+               "compression": _compression.check(compression, "kungfu.rewrite")}
     passes = STRATEGIES[strategy]
     if monitors is not None:
         options.update(monitors=names, monitor_interval=monitor_interval, local_batch_size=local_batch_size)

@@ -22,6 +22,7 @@ while a position that disagrees shows up as a shape mismatch, reported at once.
 import tensorflow as tf
 
 from .. import ops as kf
+from ..ops import _compression
 
 DEFAULT_FUSION_BYTES = 4 << 20  # as kungfu.group_all_reduce's own default
 
@@ -41,6 +42,7 @@ def mean_gradients(grads, ctx, extra=()):
     fusion_bytes = ctx.options.get("fusion_bytes")
     if fusion_bytes is None:
         fusion_bytes = DEFAULT_FUSION_BYTES
+    compression = ctx.options.get("compression", "none")
     out, extra = list(grads), list(extra)
     dense = [i for i, g in enumerate(grads) if not g.sparse]
     buckets = _buckets(dense, grads, fusion_bytes)
@@ -53,10 +55,11 @@ def mean_gradients(grads, ctx, extra=()):
         members = [grads[i] for i in bucket]
         rides = extra if b == len(buckets) - 1 else []
         key = ctx.key("ssgd", str(b))
-        reduced = kf.group_all_reduce([g.values for g in members] + rides, op="mean", name=key,
+        values = [g.values for g in members]
+        reduced = kf.group_all_reduce(_compression.compress(values, compression) + rides, op="mean", name=key,
                                       fusion_bytes=fusion_bytes)
         ctx.note("group_all_reduce", key, members)
-        for i, r in zip(bucket, reduced):
+        for i, r in zip(bucket, _compression.decompress(reduced, values)):
             out[i] = grads[i].replace(values=r)
         if rides:
             extra_means = reduced[len(members):]
@@ -79,14 +82,17 @@ def mean_gradients_with_norms(grads, ctx, norms):
     fusion_bytes = ctx.options.get("fusion_bytes")
     if fusion_bytes is None:
         fusion_bytes = DEFAULT_FUSION_BYTES
+    compression = ctx.options.get("compression", "none")
     out, local, reduced = list(grads), [], []
     for b, bucket in enumerate(_buckets(list(range(len(grads))), grads, fusion_bytes)):
         members = [grads[i] for i in bucket]
         key = ctx.key("ssgd", str(b))
-        means, local_sq, reduced_sq = kf.group_all_reduce_with_norms([g.values for g in members], norms=norms,
-                                                                     op="mean", name=key, fusion_bytes=fusion_bytes)
+        values = [g.values for g in members]
+        means, local_sq, reduced_sq = kf.group_all_reduce_with_norms(_compression.compress(values, compression),
+                                                                     norms=norms, op="mean", name=key,
+                                                                     fusion_bytes=fusion_bytes)
         ctx.note("group_all_reduce", key, members)
-        for i, r in zip(bucket, means):
+        for i, r in zip(bucket, _compression.decompress(means, values)):
             out[i] = grads[i].replace(values=r)
         local.append(local_sq)
         reduced.append(reduced_sq)

@@ -20,6 +20,7 @@ import tensorflow as tf
 from absl import logging
 
 from .. import _lib
+from ..ops import _compression
 from ..ops import collective
 
 DEFAULT_FUSION_BYTES = 4 << 20  # bucket size; the ops' own packing threshold has the same default
@@ -89,9 +90,10 @@ def _reducible(g):
     return g
 
 
-def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=False, extra=()):
+def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=False, extra=(), compression="none"):
     """The mean of each gradient over all workers; None stays None. variables (optional, same length)
-    only name the gradients in the one-time log line of how each is reduced.
+    only name the gradients in the one-time log line of how each is reduced. compression: "fp16" sends
+    the dense float gradients as float16 (kungfu/ops/_compression.py).
 
     extra: more dense tensors (e.g. a monitor's scalar) averaged in the same collectives as the dense
     gradients, so they cost no collective of their own; their means follow the gradients in the
@@ -120,8 +122,9 @@ def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=Fal
             choices.append((_var_name(v), "dense, all-reduce"))
     _log_choices(choices)
     extra = [tf.convert_to_tensor(t) for t in extra]
-    reduced = mean_tensors(extra + [out[i] for i in dense], fusion_bytes)
-    for i, r in zip(dense, reduced[len(extra):]):
+    originals = [out[i] for i in dense]
+    reduced = mean_tensors(extra + _compression.compress(originals, compression), fusion_bytes)
+    for i, r in zip(dense, _compression.decompress(reduced[len(extra):], originals)):
         out[i] = r
     return out + reduced[:len(extra)]
 
@@ -139,11 +142,12 @@ def norms_fusable(grads, sparse_as_dense):
     return True
 
 
-def mean_gradients_with_norms(grads, variables, fusion_bytes, sparse_as_dense, norms):
+def mean_gradients_with_norms(grads, variables, fusion_bytes, sparse_as_dense, norms, compression="none"):
     """(mean_gradients(grads), mean over the workers of their local squared norm, squared norm of the
     mean), for gradients norms_fusable() accepts. The norms come out of the all-reduce itself
     (KfGroupAllReduceNorms sums the squares as it packs and unpacks its buckets), with no pass over the
-    gradients of their own; norms (a bool scalar tensor, equal on every worker) false gives 0s."""
+    gradients of their own; norms (a bool scalar tensor, equal on every worker) false gives 0s. With
+    compression="fp16" the norms are those of the float16 gradients sent."""
     fusion_bytes = check_fusion_bytes(fusion_bytes)
     variables = variables if variables is not None else [None] * len(grads)
     out, dense, choices = list(grads), [], []
@@ -155,12 +159,13 @@ def mean_gradients_with_norms(grads, variables, fusion_bytes, sparse_as_dense, n
         choices.append((_var_name(v), "dense, all-reduce" if not isinstance(g, tf.IndexedSlices) else
                         "sparse, densified and all-reduced (sparse_as_dense=True)"))
     _log_choices(choices)
-    tensors = [out[i] for i in dense]
+    originals = [out[i] for i in dense]
+    tensors = _compression.compress(originals, compression)
     local, reduced = [], []
     for bucket in buckets(tensors, fusion_bytes):
         means, local_sq, reduced_sq = collective.group_all_reduce_with_norms(
             [tensors[j] for j in bucket], norms=norms, op="mean", fusion_bytes=fusion_bytes)
-        for j, r in zip(bucket, means):
+        for j, r in zip(bucket, _compression.decompress(means, [originals[j] for j in bucket])):
             out[dense[j]] = r
         local.append(local_sq)
         reduced.append(reduced_sq)

@@ -35,6 +35,7 @@ import tensorflow as tf
 
 from .. import _lib
 from .. import monitor as _monitor
+from ..ops import _compression
 from . import _averaging
 from . import _reduce
 
@@ -52,13 +53,14 @@ class _Settings:
     """KungFu's state on a wrapped optimizer. A plain object, so Keras and tf.train.Checkpoint do not
     track the strategy variable as an optimizer variable."""
 
-    def __init__(self, strategy, alpha, fusion_bytes, sparse_as_dense):
+    def __init__(self, strategy, alpha, fusion_bytes, sparse_as_dense, compression="none"):
         with tf.init_scope(), tf.device("CPU:0"):  # may be wrapped inside a tf.function
             self.strategy = tf.Variable(strategy_index(strategy), trainable=False, dtype=tf.int32,
                                         name="kungfu_strategy")
         self.alpha = alpha
         self.fusion_bytes = fusion_bytes
         self.sparse_as_dense = sparse_as_dense
+        self.compression = compression  # "none" or "fp16": how S-SGD sends dense gradients
         self.monitors = None  # kungfu.monitor.Monitors when monitors were requested
         self.policies = None  # kungfu._policy.graph.CompiledPolicies when policies were given
 
@@ -161,17 +163,19 @@ class DistributedMixin:
         def ssgd():
             m = kf.monitors
             if m is None or not m.reduces:
-                return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense)
+                return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
+                                              compression=kf.compression)
             due = m.due(self.iterations)
             if _reduce.norms_fusable(g_live, kf.sparse_as_dense):
                 # Both squared norms come out of the all-reduce, summed as it copies the gradients.
                 reduced, local_sq, reduced_sq = _reduce.mean_gradients_with_norms(
-                    g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense, tf.convert_to_tensor(due, tf.bool))
+                    g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense, tf.convert_to_tensor(due, tf.bool),
+                    kf.compression)
                 updated = m.update(due, local_sq, reduced_sq=reduced_sq)
             else:
                 # This worker's squared norm rides in the gradients' own all-reduce: no extra collective.
                 out = _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
-                                             extra=[m.local_sq_norm(g_live, due)])
+                                             extra=[m.local_sq_norm(g_live, due)], compression=kf.compression)
                 reduced = out[:len(g_live)]
                 updated = m.update(due, out[-1], reduced)
             # The estimates run before the update, not beside it: with workers sharing cores, running
@@ -208,13 +212,15 @@ class DistributedMixin:
 
 def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=None, sparse_as_dense=False,
                          monitor=None, monitor_interval=1, local_batch_size=None, monitor_alpha=0.1,
-                         policies=None, dataset=None):
+                         policies=None, dataset=None, compression=None):
     """optimizer (any Keras 3 optimizer, not yet used), distributed over the workers.
 
     strategy: "ssgd", "sma" or "pair_averaging"; change it later with .strategy = ... or
     .set_strategy(...). alpha: SMA's step toward the average, in (0, 1]. fusion_bytes: size of the
     gradient buckets (default 4 MiB; 0: one collective per gradient). sparse_as_dense: all-reduce
-    IndexedSlices gradients as dense tensors instead of all-gathering them.
+    IndexedSlices gradients as dense tensors instead of all-gathering them. compression: None or "fp16",
+    which sends S-SGD's dense float32/float64 gradients as float16 (half the bytes; see
+    kungfu/ops/_compression.py).
     monitor: None or a list from "gns", "variance", "snr", computed in S-SGD steps every
     monitor_interval steps; read them with kungfu.monitor.latest(). local_batch_size: this worker's
     batch size (an int, or a tf.Variable to follow; or .set_local_batch_size(n) later), needed by
@@ -238,6 +244,7 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
         raise ValueError(f"alpha must be a number in (0, 1], got {alpha!r}")
     fusion_bytes = _reduce.check_fusion_bytes(fusion_bytes)
+    compression = _compression.check(compression, "DistributedOptimizer")
     names, monitor_interval = _monitor.check_arguments(monitor, monitor_interval, local_batch_size, monitor_alpha)
     base = type(optimizer)
     cls = _classes.get(base)
@@ -247,7 +254,7 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
                                                               "__qualname__": base.__qualname__})
         _classes[base] = cls
     wrapped = cls.from_config(optimizer.get_config())
-    wrapped._kungfu = _Settings(strategy, float(alpha), fusion_bytes, bool(sparse_as_dense))
+    wrapped._kungfu = _Settings(strategy, float(alpha), fusion_bytes, bool(sparse_as_dense), compression)
     if monitor is not None:
         wrapped._kungfu.monitors = _monitor.Monitors(names, monitor_interval, local_batch_size, wrapped.name,
                                                      monitor_alpha)
@@ -263,12 +270,12 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     return wrapped
 
 
-def SynchronousSGDOptimizer(optimizer, fusion_bytes=None, sparse_as_dense=False, **monitors):
+def SynchronousSGDOptimizer(optimizer, fusion_bytes=None, sparse_as_dense=False, compression=None, **monitors):
     """Synchronous SGD: every step applies the mean of all workers' gradients (all-reduce).
-    monitors: monitor=, monitor_interval=, local_batch_size=, monitor_alpha=, policies=, dataset=, as for
-    DistributedOptimizer."""
+    compression="fp16" sends the gradients as float16. monitors: monitor=, monitor_interval=,
+    local_batch_size=, monitor_alpha=, policies=, dataset=, as for DistributedOptimizer."""
     return DistributedOptimizer(optimizer, "ssgd", fusion_bytes=fusion_bytes, sparse_as_dense=sparse_as_dense,
-                                **monitors)
+                                compression=compression, **monitors)
 
 
 def SynchronousAveragingOptimizer(optimizer, alpha=0.1, fusion_bytes=None, **monitors):
