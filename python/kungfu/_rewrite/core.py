@@ -27,8 +27,9 @@ from .ssgd import ssgd
 STRATEGIES = {"ssgd": (ssgd,)}  # strategy -> its passes, applied in order
 
 
-def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, compression=None, monitors=None, monitor_interval=1, local_batch_size=None,
-            monitor_alpha=_monitor.DEFAULT_ALPHA, policies=None, optimizer=None, dataset=None, batch_size=None):
+def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, compression=None, monitors=None, monitor_interval=1,
+            local_batch_size=None, monitor_alpha=_monitor.DEFAULT_ALPHA, policies=None, optimizer=None, dataset=None,
+            batch_size=None):
     """Returns fn with KungFu collectives inserted on its gradients; fn's code does not change.
 
     fn: a training step (a tf.function, or a Python function, which is wrapped in one) that computes
