@@ -45,7 +45,7 @@ def mean_gradients(grads, ctx, extra=()):
     compression = ctx.options.get("compression", "none")
     out, extra = list(grads), list(extra)
     dense = [i for i, g in enumerate(grads) if not g.sparse]
-    buckets = _buckets(dense, grads, fusion_bytes)
+    buckets = _buckets(dense, grads, fusion_bytes, compression)
     extra_means = []
     if extra and not buckets:
         key = ctx.key("ssgd", "extra")
@@ -84,7 +84,7 @@ def mean_gradients_with_norms(grads, ctx, norms):
         fusion_bytes = DEFAULT_FUSION_BYTES
     compression = ctx.options.get("compression", "none")
     out, local, reduced = list(grads), [], []
-    for b, bucket in enumerate(_buckets(list(range(len(grads))), grads, fusion_bytes)):
+    for b, bucket in enumerate(_buckets(list(range(len(grads))), grads, fusion_bytes, compression)):
         members = [grads[i] for i in bucket]
         key = ctx.key("ssgd", str(b))
         values = [g.values for g in members]
@@ -100,21 +100,21 @@ def mean_gradients_with_norms(grads, ctx, norms):
     return out, tf.add_n(local) if local else zero, tf.add_n(reduced) if reduced else zero
 
 
-def _buckets(positions, grads, fusion_bytes):
-    """Consecutive runs of positions, each closed once it holds fusion_bytes."""
+def _buckets(positions, grads, fusion_bytes, compression):
+    """Consecutive runs of positions, each closed once it holds fusion_bytes on the wire."""
     buckets, current, size = [], [], 0
     for i in positions:
         current.append(i)
-        size += _nbytes(grads[i].values, fusion_bytes)
+        size += _nbytes(grads[i].values, fusion_bytes, compression)
         if size >= fusion_bytes:
             buckets.append(current)
             current, size = [], 0
     return buckets + ([current] if current else [])
 
 
-def _nbytes(t, unknown):
+def _nbytes(t, unknown, compression):
     n = t.shape.num_elements()
-    return unknown if n is None else n * t.dtype.size
+    return unknown if n is None else n * _compression.wire_dtype(t.dtype, compression).size
 
 
 def _gather_mean(g, ctx, key):

@@ -22,11 +22,18 @@ def check(compression, who):
     return compression.lower()
 
 
+def wire_dtype(dtype, compression):
+    """The dtype a tensor of dtype travels as."""
+    return tf.float16 if compression == "fp16" and dtype in _WIDE else dtype
+
+
 def compress(tensors, compression):
     """The tensors as they go on the wire."""
-    if compression != "fp16":
-        return list(tensors)
-    return [tf.cast(t, tf.float16) if t.dtype in _WIDE else t for t in tensors]
+    out = []
+    for t in tensors:
+        wire = wire_dtype(t.dtype, compression)
+        out.append(t if wire == t.dtype else tf.cast(t, wire))
+    return out
 
 
 def decompress(reduced, originals):
