@@ -91,7 +91,7 @@ double SumSquares(const void* p, int64_t n, DType dtype) {
 
 double CopySumSquares(void* dst, const void* src, int64_t count, DType dtype) {
   // Block by block: memcpy, then the squares of the block just written, read back from L1. One loop
-  // doing both per element ran at 2.5x the time of memcpy; this runs at about memcpy's.
+  // doing both per element ran at 2.5x the time of memcpy; this runs at about 1.3x.
   const size_t size = kungfu::DTypeSize(dtype);
   auto* out = static_cast<char*>(dst);
   const auto* in = static_cast<const char*>(src);

@@ -213,7 +213,6 @@ def all_gather_differing_first_dims():
     assert_equal(y, np.concatenate([data(r, [ROWS[r % 4], 2, 2], tf.float64) for r in range(size)]), "in function")
 
 
-
 class _Unpicklable:
     def __reduce__(self):
         raise TypeError("this object refuses to be pickled")
@@ -259,6 +258,7 @@ def python_objects():
         raise AssertionError("broadcast_object inside tf.function did not raise")
     except RuntimeError as e:
         assert "eagerly only" in str(e), e
+
 
 @check
 def barrier_and_consensus():

@@ -15,9 +15,9 @@ sparse gradient, this worker's norm rides in the last bucket instead); the mean 
 norms stands for |G_small|^2 in the gradient noise scale: every input is then all-reduced, so every
 worker computes the same numbers. One KfMonitorRecord op turns them into the estimates. Throughput
 (step_time, samples_per_sec) is measured in the graph at every step by a KfStepClock op, and is this
-worker's own. See
-docs/monitoring.md ("Using monitors"). kungfu.rewrite(fn, monitors=[...]) uses the same Monitors from
-its monitor pass (kungfu/_rewrite/monitors.py), counting the step's calls instead of iterations.
+worker's own. See docs/monitoring.md ("Using monitors"). kungfu.rewrite(fn, monitors=[...]) uses the
+same Monitors from its monitor pass (kungfu/_rewrite/monitors.py), counting the step's calls instead of
+iterations.
 
 One worker has no second batch size: update_one_worker() pairs this step's gradients with the previous
 step's (a copy kept in variables, made on the step before each due step), the pair standing for the big
