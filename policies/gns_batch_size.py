@@ -17,7 +17,9 @@ gains bring). α and β are fitted online: a decayed least-squares line through 
 pairs seen at the policy's calls (metrics["step_time"]). Until two distinct batch sizes have been seen
 the line is undetermined, and a prior stands in: α = f·t, β = (1 − f)·t/B at the current B and step time t,
 f = prior_fixed_fraction (only the ratio T(B)/T(B') is used, so t cancels and no timing is needed).
-The fit is clamped to α >= 0 and β >= 0.1% of the mean time per sample, so T stays positive.
+The fit is clamped to α >= 0 and β >= 0.1% of the mean time per sample, so T stays positive. A step
+time is the time between two steps, pauses included (validation, a checkpoint, logging), so one over 3x
+what the fit expects is left out, unless the two before it were too (then the steps really are slower).
 With the prior alone (f = 0.5) a doubling pays 5% while φ/B > ~2.7, so the batch first settles between
 0.37·φ and 0.74·φ; the measured step times then decide whether going further pays (it does when the fixed cost
 per step, e.g. communication, dominates).
@@ -35,6 +37,8 @@ from .lr_scaling import scaled_learning_rate
 _FIT_DECAY = 0.95  # per call: the step-time fit forgets with a time constant of ~20 calls
 _MIN_REL_SPREAD = 1e-6  # weighted var(B)/mean(B)^2 below this: one batch size only, use the prior
 _MIN_BETA_FRACTION = 1e-3  # beta >= this * mean step time / mean batch: a larger batch is never free
+_OUTLIER_FACTOR = 3.0  # a step time over this times the fit's expectation is a pause, not a step...
+_MAX_REJECTED = 2  # ...unless this many in a row were: then it is taken
 _NEVER = -1e30  # last_change before any change: the cooldown is then over
 
 
@@ -141,23 +145,31 @@ class GNSBatchSizePolicy(BasePolicy):
         """(alpha, beta) of t(B) = alpha + beta·B: the decayed least-squares fit of the (batch, step time)
         pairs, or the prior while the fit has seen one batch size only. A pair is taken only when the
         batch was the same at the previous call, so the step time was measured at this batch (the first
-        steps after a change, with their retrace, are left out)."""
+        steps after a change, with their retrace, are left out). A step time over _OUTLIER_FACTOR times
+        what the fit expects is left out too (a pause between steps: validation, a checkpoint, logging),
+        unless the ones before it were, _MAX_REJECTED in a row: then the steps really are slower."""
         m = ctx.math
         t = rd.metric(ctx, "step_time")
-        s = ctx.state(self, fit_batch=0.0, s0=0.0, sb=0.0, sbb=0.0, st=0.0, sbt=0.0)
-        w = m.where(m.all(rd.is_estimate(m, t), m.abs(batch - s.fit_batch) < 0.5), 1.0, 0.0)
+        s = ctx.state(self, fit_batch=0.0, s0=0.0, sb=0.0, sbb=0.0, st=0.0, sbt=0.0, rejected=0.0)
+        usable = m.all(rd.is_estimate(m, t), m.abs(batch - s.fit_batch) < 0.5)
+        # What the pairs so far say this batch takes: the fitted line; with one batch size seen, its mean
+        # time scaled as if all of it were per sample (the most a larger batch can take).
+        fitted, alpha, beta = _fit(m, s)
+        seen = s.s0 > 0
+        mean_t = s.st / m.where(seen, s.s0, 1.0)
+        mean_b = s.sb / m.where(seen, s.s0, 1.0)
+        expected = m.where(fitted, alpha + beta * batch,
+                           mean_t * m.maximum(1.0, batch / m.where(mean_b > 0, mean_b, 1.0)))
+        outlier = m.all(usable, seen, t > _OUTLIER_FACTOR * expected, s.rejected < _MAX_REJECTED)
+        w = m.where(m.all(usable, m.not_(outlier)), 1.0, 0.0)
         t = m.where(w > 0, t, 0.0)  # a NaN must not enter the sums, even with weight 0
         d = _FIT_DECAY
         s.update(s0=d * s.s0 + w, sb=d * s.sb + w * batch, sbb=d * s.sbb + w * batch * batch,
-                 st=d * s.st + w * t, sbt=d * s.sbt + w * batch * t)
-        det = s.s0 * s.sbb - s.sb * s.sb
-        fitted = det > _MIN_REL_SPREAD * s.sb * s.sb
-        beta = (s.s0 * s.sbt - s.sb * s.st) / m.where(fitted, det, 1.0)
-        alpha = (s.st - beta * s.sb) / m.where(s.s0 > 0, s.s0, 1.0)
-        min_beta = _MIN_BETA_FRACTION * s.st / m.where(s.sb > 0, s.sb, 1.0)
+                 st=d * s.st + w * t, sbt=d * s.sbt + w * batch * t,
+                 rejected=m.where(outlier, s.rejected + 1.0, m.where(usable, 0.0, s.rejected)))
+        fitted, alpha, beta = _fit(m, s)
         f = self.prior_fixed_fraction
-        return (m.where(fitted, m.maximum(alpha, 0.0), f),
-                m.where(fitted, m.maximum(beta, min_beta), (1.0 - f) / batch))
+        return m.where(fitted, alpha, f), m.where(fitted, beta, (1.0 - f) / batch)
 
     def _remember_batch(self, ctx, batch):
         ctx.state(self, fit_batch=0.0).update(fit_batch=batch)
@@ -188,6 +200,18 @@ def predicted_gain(phi, alpha, beta, batch, target):
     def time_to_loss(b):
         return (1.0 + phi / b) * (alpha + beta * b)
     return time_to_loss(batch) / time_to_loss(target) - 1.0
+
+
+def _fit(m, s):
+    """(fitted, alpha, beta) from the decayed sums in s: fitted is False while the pairs hold one batch
+    size only (alpha and beta are then meaningless); alpha >= 0, and beta >= _MIN_BETA_FRACTION of the
+    mean time per sample."""
+    det = s.s0 * s.sbb - s.sb * s.sb
+    fitted = det > _MIN_REL_SPREAD * s.sb * s.sb
+    beta = (s.s0 * s.sbt - s.sb * s.st) / m.where(fitted, det, 1.0)
+    alpha = (s.st - beta * s.sb) / m.where(s.s0 > 0, s.s0, 1.0)
+    min_beta = _MIN_BETA_FRACTION * s.st / m.where(s.sb > 0, s.sb, 1.0)
+    return fitted, m.maximum(alpha, 0.0), m.maximum(beta, min_beta)
 
 
 def _ceil_to(m, x, mult):

@@ -174,6 +174,44 @@ def test_step_time_fit_recovers_the_line():
     assert alpha == pytest.approx(0.05) and beta == pytest.approx(2e-4)
 
 
+def fit_after(times, batches):
+    """(alpha, beta) of a never-changing policy (only the fit is exercised) after calls with these
+    step times at these batch sizes, and its state."""
+    p = eager(min_gain=1e9)
+    for step, (t, batch) in enumerate(zip(times, batches), start=1):
+        c = ctx(step, batch, step_time=t)
+        p.after_step(c)
+        p._remember_batch(c, batch)
+    return p._step_time_model(ctx(len(times) + 1, 200, step_time=0.0), 200), state(p)
+
+
+def test_a_pause_between_steps_is_left_out_of_the_fit():
+    # t(B) = 0.05 + 2e-4 B at 100, 300 and 200; one call reads a step that includes a 10 s pause (a
+    # validation pass, a checkpoint): it would wreck the line, and is left out.
+    batches = [100, 100, 300, 300, 300, 200, 200, 200]
+    times = [0.05 + 2e-4 * b for b in batches]
+    paused = list(times)
+    paused[4] += 10.0
+    (alpha, beta), s = fit_after(paused, batches)
+    assert alpha == pytest.approx(0.05) and beta == pytest.approx(2e-4)
+    assert s.rejected == 0  # the next usable time was taken again
+    # ... and so is one at the first call with a batch size, judged against the one size seen so far
+    paused = list(times)
+    paused[3] += 10.0
+    (alpha, beta), _ = fit_after(paused, batches)
+    assert alpha == pytest.approx(0.05) and beta == pytest.approx(2e-4)
+
+
+def test_steps_that_stay_slower_are_taken_after_two_rejections():
+    # From the 5th call on every step takes 10x: two calls are left out as pauses, the third is taken,
+    # and the fit follows the new times from there on (the old ones decay away).
+    batches = ([100] * 3 + [300] * 3) * 20
+    times = [(0.05 + 2e-4 * b) * (10 if i >= 4 else 1) for i, b in enumerate(batches)]
+    (alpha, beta), s = fit_after(times, batches)
+    assert alpha == pytest.approx(0.5, rel=0.05) and beta == pytest.approx(2e-3, rel=0.05)
+    assert s.rejected == 0
+
+
 def test_describe_last_and_state_for_logs():
     p = eager()
     assert p.describe_last() is None
