@@ -11,6 +11,7 @@ import pytest
 import tensorflow as tf
 
 import kungfu
+import kungfu.keras
 from kungfu import optimizers
 from kungfu.keras import callbacks
 from kungfu.optimizers import _reduce
@@ -58,12 +59,56 @@ def test_bad_arguments_say_what_is_wrong(call, error, words):
         call()
 
 
-def test_wrapping_a_used_optimizer_is_refused():
+def test_a_used_optimizer_hands_its_state_to_the_wrapper():
+    # One epoch with plain Adam, then the same optimizer wrapped and the model compiled again: the second
+    # epoch must be the one an uninterrupted run takes (Adam's step count and moments carried over).
+    def fresh():
+        model, x, y = model_and_data()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        return model, x, y
+
+    want, x, y = fresh()
+    want.fit(x, y, epochs=2, batch_size=16, shuffle=False, verbose=0)
+    model, x, y = fresh()
+    model.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
+    used = model.optimizer
+    model.compile(optimizer=optimizers.SynchronousSGDOptimizer(used), loss="mse")
+    model.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
+    assert isinstance(model.optimizer, optimizers.DistributedMixin) and int(model.optimizer.iterations) == 8
+    for a, b in zip(model.get_weights(), want.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_a_used_optimizer_keeps_its_state_only_for_its_model():
     model, _, _ = model_and_data()
-    opt = keras.optimizers.SGD()
+    opt = keras.optimizers.SGD(momentum=0.9)
     opt.build(model.trainable_variables)
-    with pytest.raises(ValueError, match="wrap it before its first step"):
-        optimizers.SynchronousSGDOptimizer(opt)
+    other = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+    wrapped = optimizers.SynchronousSGDOptimizer(opt)
+    with pytest.raises(ValueError, match="keeps its state only for the model it was used with"):
+        wrapped.build(other.trainable_variables)
+
+
+def test_load_model_resumes_with_a_distributed_optimizer(tmp_path):
+    model, x, y = model_and_data()
+    model.compile(optimizer=optimizers.SynchronousSGDOptimizer(keras.optimizers.Adam(0.01)), loss="mse",
+                  metrics=["mae"])
+    model.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    loaded = kungfu.keras.load_model(path, strategy="sma", alpha=0.5)
+    assert isinstance(loaded.optimizer, keras.optimizers.Adam)
+    assert isinstance(loaded.optimizer, optimizers.DistributedMixin)
+    assert (loaded.optimizer.strategy, loaded.optimizer.sma_alpha) == ("sma", 0.5)
+    assert int(loaded.optimizer.iterations) == 4
+    assert loaded.evaluate(x, y, verbose=0) == model.evaluate(x, y, verbose=0)  # loss and metric kept
+    loaded.optimizer.strategy = "ssgd"
+    loaded.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
+    model.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
+    for a, b in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+    plain = kungfu.keras.load_model(path, compile=False)
+    assert getattr(plain, "optimizer", None) is None  # not compiled, nothing wrapped
 
 
 def test_strategy_switch_eagerly_and_in_a_function():

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.usefixtures("kungfu_library")
 WORKER = os.path.join(REPO, "tests", "training_worker.py")
 EQUIVALENCE = ["fit_equals_single_process", "custom_loop_equals_single_process", "strategy_switch_without_retrace",
                "gradient_buckets_are_in_flight_together", "indexed_slices_equal_densified",
-               "fp16_compression_halves_the_bytes_and_keeps_the_mean", "metric_average_callback_agrees"]
+               "fp16_compression_halves_the_bytes_and_keeps_the_mean", "metric_average_callback_agrees",
+               "resumed_fit_equals_single_process"]
 DIGITS = ["sma_digits", "pair_averaging_digits"]
 
 

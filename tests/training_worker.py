@@ -11,7 +11,8 @@ model.fit, for a custom loop with DistributedGradientTape, and for opt.apply_gra
 tf.function and eagerly. Each worker computes that single-process reference itself, without the
 cluster. Workers build their models from different seeds, so the fit check also shows that
 BroadcastGlobalVariablesCallback makes them start identical. Also: a strategy switch between steps
-without retracing, IndexedSlices against densified gradients, and MetricAverageCallback.
+without retracing, IndexedSlices against densified gradients, MetricAverageCallback, and training
+resumed from a saved model by kungfu.keras.load_model.
 
 `digits`: SMA and pair averaging reach 90% test accuracy on scikit-learn's digits, and the workers'
 models end close to each other.
@@ -28,6 +29,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import kungfu  # noqa: E402
+import kungfu.keras  # noqa: E402
 from kungfu.keras import callbacks as kf_callbacks  # noqa: E402
 from kungfu.optimizers import _reduce  # noqa: E402
 
@@ -293,6 +295,38 @@ def metric_average_callback_agrees():
     value = np.array(history.history["loss"], np.float64)
     if not bool(kungfu.consensus(value)):
         raise AssertionError(f"MetricAverageCallback: workers logged different losses: {value}")
+
+
+@check
+def resumed_fit_equals_single_process():
+    """Half the steps, model.save on rank 0, kungfu.keras.load_model on every worker, the other half:
+    the weights of one uninterrupted single-process run (Adam's step count and moments survive)."""
+    import os
+    import shutil
+    import tempfile
+
+    x, y = local_data()
+    half = STEPS // 2 * LOCAL_BATCH
+    model = make_model(100)
+    model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(adam()), loss=loss_fn())
+    model.fit(x[:half], y[:half], batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    folder = kungfu.broadcast_object(tempfile.mkdtemp() if kungfu.rank() == 0 else None, root=0)
+    path = os.path.join(folder, "model.keras")
+    try:
+        if kungfu.rank() == 0:
+            model.save(path)
+        kungfu.barrier()
+        resumed = kungfu.keras.load_model(path)
+        kungfu.barrier()  # every worker has read the file
+    finally:
+        if kungfu.rank() == 0:
+            shutil.rmtree(folder, ignore_errors=True)
+    if not isinstance(resumed.optimizer, kungfu.optimizers.DistributedMixin):
+        raise AssertionError(f"load_model: the optimizer is a plain {type(resumed.optimizer).__name__}")
+    if int(resumed.optimizer.iterations) != STEPS // 2:
+        raise AssertionError(f"load_model: step count {int(resumed.optimizer.iterations)}, not {STEPS // 2}")
+    resumed.fit(x[half:], y[half:], batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    assert_close(resumed.get_weights(), reference_weights(adam), "load_model and fit")
 
 
 def digits_shards():

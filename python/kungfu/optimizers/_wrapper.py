@@ -5,7 +5,8 @@ How it wraps. DistributedOptimizer(opt) makes a subclass of type(opt) with Distr
 front and builds a new instance from opt.get_config() (as Horovod does): the result *is* an Adam (or
 whatever opt was) to Keras, so model.compile, model.fit, checkpoints and learning-rate schedules
 work unchanged. The subclass keeps the base class's name and module, so a model saved with it loads
-with the plain base optimizer. Only apply() is overridden; apply_gradients() goes through it.
+with the plain base optimizer. Only build() and apply() are overridden; apply_gradients() goes through
+apply(). Wrapping an optimizer that has been used keeps its state: build() copies its variables.
 
 How a step runs. apply() builds the three strategies' work as the branches of one tf.switch_case on
 a strategy variable (an int32 tf.Variable), then lets the base optimizer apply the gradients:
@@ -62,6 +63,7 @@ class _Settings:
         self.sparse_as_dense = sparse_as_dense
         self.compression = compression  # "none" or "fp16": how S-SGD sends dense gradients
         self.monitors = None  # kungfu.monitor.Monitors when monitors were requested
+        self.state_from = None  # a used optimizer's variables, copied into the wrapper when it is built
         self.policies = None  # kungfu._policy.graph.CompiledPolicies when policies were given
 
 
@@ -110,6 +112,13 @@ class DistributedMixin:
             raise ValueError(f"{self.name} has no monitors with a batch size; pass monitor=[...] and "
                              "local_batch_size= to DistributedOptimizer")
         return m.set_local_batch_size(n)
+
+    def build(self, variables):
+        super().build(variables)
+        source = self._kungfu.state_from if self._kungfu is not None else None
+        if source is not None:
+            self._kungfu.state_from = None
+            _copy_state(source, self)
 
     def apply(self, grads, trainable_variables=None):
         _lib.require_init(f"{type(self).__name__} (a kungfu distributed optimizer)")
@@ -213,7 +222,9 @@ class DistributedMixin:
 def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=None, sparse_as_dense=False,
                          monitor=None, monitor_interval=1, local_batch_size=None, monitor_alpha=0.1,
                          policies=None, dataset=None, compression=None):
-    """optimizer (any Keras 3 optimizer, not yet used), distributed over the workers.
+    """optimizer (any Keras 3 optimizer), distributed over the workers. A used one, e.g. the optimizer
+    keras.models.load_model restored (kungfu.keras.load_model does this), hands its state (step count,
+    learning rate, slots) to the wrapper when the wrapper is built over the same model's variables.
 
     strategy: "ssgd", "sma" or "pair_averaging"; change it later with .strategy = ... or
     .set_strategy(...). alpha: SMA's step toward the average, in (0, 1]. fusion_bytes: size of the
@@ -237,9 +248,6 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
         raise TypeError(f"expected a Keras optimizer (keras.optimizers.Optimizer), got {type(optimizer).__name__}")
     if isinstance(optimizer, DistributedMixin):
         raise ValueError(f"{optimizer.name} is already a kungfu distributed optimizer; wrap the plain optimizer once")
-    if optimizer.built:
-        raise ValueError(f"optimizer {optimizer.name} has already been used (built); wrap it before its first step, "
-                         "e.g. model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.Adam()))")
     strategy_index(strategy)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
         raise ValueError(f"alpha must be a number in (0, 1], got {alpha!r}")
@@ -255,6 +263,8 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
         _classes[base] = cls
     wrapped = cls.from_config(optimizer.get_config())
     wrapped._kungfu = _Settings(strategy, float(alpha), fusion_bytes, bool(sparse_as_dense), compression)
+    if optimizer.built:  # a used optimizer (e.g. one keras.models.load_model restored): keep its state
+        wrapped._kungfu.state_from = list(optimizer.variables)
     if monitor is not None:
         wrapped._kungfu.monitors = _monitor.Monitors(names, monitor_interval, local_batch_size, wrapped.name,
                                                      monitor_alpha)
@@ -268,6 +278,24 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     elif dataset is not None:
         raise ValueError("DistributedOptimizer: dataset= is for policies=[...]")
     return wrapped
+
+
+def _copy_state(source, wrapped):
+    """Assigns a used optimizer's variables (step count, learning rate, slots) to the wrapper's, just
+    built over the same model variables: both lists come in the order the base class creates them."""
+    target = list(wrapped.variables)
+    if len(source) != len(target):
+        raise ValueError(f"{wrapped.name}: the optimizer it wraps had {len(source)} variables, and it has "
+                         f"{len(target)} over this model's; a used optimizer keeps its state only for the model "
+                         "it was used with")
+    for a, b in zip(source, target):
+        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+            raise ValueError(f"{wrapped.name}: the wrapped optimizer's variable {a.path} ({a.dtype}{list(a.shape)}) "
+                             f"does not fit {b.path} ({b.dtype}{list(b.shape)}); a used optimizer keeps its state "
+                             "only for the model it was used with")
+    with tf.init_scope():  # once, eagerly, even when the first step's trace builds the optimizer
+        for a, b in zip(source, target):
+            b.assign(a.value)
 
 
 def SynchronousSGDOptimizer(optimizer, fusion_bytes=None, sparse_as_dense=False, compression=None, **monitors):
