@@ -11,8 +11,9 @@ model.fit, for a custom loop with DistributedGradientTape, and for opt.apply_gra
 tf.function and eagerly. Each worker computes that single-process reference itself, without the
 cluster. Workers build their models from different seeds, so the fit check also shows that
 BroadcastGlobalVariablesCallback makes them start identical. Also: a strategy switch between steps
-without retracing, IndexedSlices against densified gradients, MetricAverageCallback, and training
-resumed from a saved model by kungfu.keras.load_model.
+without retracing, IndexedSlices against densified gradients, MetricAverageCallback, training
+resumed from a saved model by kungfu.keras.load_model, and a clear error at once when the workers'
+model.fit would take different numbers of steps.
 
 `digits`: SMA and pair averaging reach 90% test accuracy on scikit-learn's digits, and the workers'
 models end close to each other.
@@ -327,6 +328,36 @@ def resumed_fit_equals_single_process():
         raise AssertionError(f"load_model: step count {int(resumed.optimizer.iterations)}, not {STEPS // 2}")
     resumed.fit(x[half:], y[half:], batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0)
     assert_close(resumed.get_weights(), reference_weights(adam), "load_model and fit")
+
+
+@check
+def unequal_steps_fail_at_once():
+    """Rank 0 with one batch more than the others: every worker's fit raises ValueError naming the step
+    counts before the first step, not a timeout at the last one; pair averaging takes them as they are."""
+    import time
+
+    x, y = local_data()
+    n = (STEPS // 2 + (1 if kungfu.rank() == 0 else 0)) * LOCAL_BATCH
+    model = make_model(100)
+    model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(sgd()), loss=loss_fn())
+    start = time.monotonic()
+    try:
+        model.fit(x[:n], y[:n], batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[kf_callbacks.BroadcastGlobalVariablesCallback(root=0)])
+    except ValueError as e:
+        want = f"rank 0: {STEPS // 2 + 1}, rank 1: {STEPS // 2}"
+        if want not in str(e) or "different numbers of steps per epoch" not in str(e):
+            raise AssertionError(f"unexpected error: {e}") from e
+    else:
+        raise AssertionError("fit with unequal steps per epoch did not raise")
+    if time.monotonic() - start > 10:
+        raise AssertionError(f"the error took {time.monotonic() - start:.1f} s")
+    kungfu.barrier()
+    model = make_model(100)
+    model.compile(optimizer=kungfu.optimizers.PairAveragingOptimizer(sgd()), loss=loss_fn())
+    model.fit(x[:n], y[:n], batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[kf_callbacks.BroadcastGlobalVariablesCallback(root=0)])
+    kungfu.barrier()
 
 
 def digits_shards():

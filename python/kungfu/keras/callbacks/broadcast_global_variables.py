@@ -1,6 +1,7 @@
 """BroadcastGlobalVariablesCallback: every worker starts training from root's model and optimizer."""
 
 import keras
+import tensorflow as tf
 
 from ... import _lib
 from ... import _variables
@@ -13,6 +14,11 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     Workers then start identical even when each built its model from a different random seed, or
     when root restored a checkpoint the others do not have. Only on_train_begin is overridden, so
     Keras keeps its asynchronous batch dispatch.
+
+    Every fit() also checks that the workers take the same number of steps per epoch (an all-gather
+    of fit's step count), unless the optimizer runs pair averaging, which waits for no other worker's
+    step. With S-SGD a worker with one batch more would wait for the others' gradients at its last
+    step until KUNGFU_TIMEOUT; instead every worker raises ValueError at once, naming the counts.
     """
 
     def __init__(self, root=0):
@@ -21,15 +27,35 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._done = False
 
     def on_train_begin(self, logs=None):
+        _lib.require_init("BroadcastGlobalVariablesCallback")
+        from ...optimizers import DistributedMixin
+
+        model = self.model
+        optimizer = getattr(model, "optimizer", None)
+        if not isinstance(optimizer, DistributedMixin) or optimizer.strategy != "pair_averaging":
+            _check_same_steps(self.params.get("steps"))  # pair averaging waits for no one's step
         if self._done:
             return
-        _lib.require_init("BroadcastGlobalVariablesCallback")
-        model = self.model
         variables = list(model.variables)
-        optimizer = getattr(model, "optimizer", None)
         if optimizer is not None:
             if not optimizer.built:
                 optimizer.build(model.trainable_variables)
             variables += list(optimizer.variables)
         _variables.broadcast_variables(variables, root=self.root, name="kungfu/broadcast_global_variables")
         self._done = True
+
+
+def _check_same_steps(steps):
+    """ValueError on every worker unless every worker's fit() has the same steps per epoch (None: unknown)."""
+    if _lib.size() == 1:
+        return
+    from ...ops import all_gather
+
+    mine = -1 if steps is None else int(steps)
+    counts = [int(c) for c in all_gather(tf.constant([mine], tf.int64), name="kungfu/fit_steps").numpy()]
+    if len(set(counts)) > 1:
+        shown = ", ".join(f"rank {r}: {'unknown' if c < 0 else c}" for r, c in enumerate(counts))
+        raise ValueError(f"model.fit: the workers have different numbers of steps per epoch ({shown}); every "
+                         "worker must take the same steps, or one waits for the others' gradients until the "
+                         "timeout. Give each worker the same number of batches (e.g. trim the data to a multiple "
+                         "of size() * batch_size, use kungfu.data.AdaptiveDataset) or pass the same steps_per_epoch")
