@@ -23,8 +23,7 @@ def load_model(filepath, custom_objects=None, compile=True, safe_mode=True, stra
         return model
     wrapped = DistributedOptimizer(optimizer, strategy, **wrapper_kwargs)
     config = {k: v for k, v in config.items() if k != "optimizer"}
-    with keras.saving.custom_object_scope(custom_objects or {}):
-        config = keras.saving.deserialize_keras_object(config)
+    config = keras.saving.deserialize_keras_object(config, custom_objects=custom_objects, safe_mode=safe_mode)
     model.compile(optimizer=wrapped, **config)
     if model.built:
         wrapped.build(model.trainable_variables)  # as Keras's compile_from_config: the state is copied now
