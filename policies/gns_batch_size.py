@@ -152,22 +152,24 @@ class GNSBatchSizePolicy(BasePolicy):
         t = rd.metric(ctx, "step_time")
         s = ctx.state(self, fit_batch=0.0, s0=0.0, sb=0.0, sbb=0.0, st=0.0, sbt=0.0, rejected=0.0)
         usable = m.all(rd.is_estimate(m, t), m.abs(batch - s.fit_batch) < 0.5)
+        s0, sb, sbb, st, sbt, rejected = s.s0, s.sb, s.sbb, s.st, s.sbt, s.rejected  # one read each
         # What the pairs so far say this batch takes: the fitted line; with one batch size seen, its mean
         # time scaled as if all of it were per sample (the most a larger batch can take).
-        fitted, alpha, beta = _fit(m, s)
-        seen = s.s0 > 0
-        mean_t = s.st / m.where(seen, s.s0, 1.0)
-        mean_b = s.sb / m.where(seen, s.s0, 1.0)
+        fitted, alpha, beta = _fit(m, s0, sb, sbb, st, sbt)
+        seen = s0 > 0
+        mean_t = st / m.where(seen, s0, 1.0)
+        mean_b = sb / m.where(seen, s0, 1.0)
         expected = m.where(fitted, alpha + beta * batch,
                            mean_t * m.maximum(1.0, batch / m.where(mean_b > 0, mean_b, 1.0)))
-        outlier = m.all(usable, seen, t > _OUTLIER_FACTOR * expected, s.rejected < _MAX_REJECTED)
+        outlier = m.all(usable, seen, t > _OUTLIER_FACTOR * expected, rejected < _MAX_REJECTED)
         w = m.where(m.all(usable, m.not_(outlier)), 1.0, 0.0)
         t = m.where(w > 0, t, 0.0)  # a NaN must not enter the sums, even with weight 0
         d = _FIT_DECAY
-        s.update(s0=d * s.s0 + w, sb=d * s.sb + w * batch, sbb=d * s.sbb + w * batch * batch,
-                 st=d * s.st + w * t, sbt=d * s.sbt + w * batch * t,
-                 rejected=m.where(outlier, s.rejected + 1.0, m.where(usable, 0.0, s.rejected)))
-        fitted, alpha, beta = _fit(m, s)
+        s0, sb, sbb, st, sbt = (d * s0 + w, d * sb + w * batch, d * sbb + w * batch * batch, d * st + w * t,
+                                d * sbt + w * batch * t)
+        s.update(s0=s0, sb=sb, sbb=sbb, st=st, sbt=sbt,
+                 rejected=m.where(outlier, rejected + 1.0, m.where(usable, 0.0, rejected)))
+        fitted, alpha, beta = _fit(m, s0, sb, sbb, st, sbt)
         f = self.prior_fixed_fraction
         return m.where(fitted, alpha, f), m.where(fitted, beta, (1.0 - f) / batch)
 
@@ -202,15 +204,15 @@ def predicted_gain(phi, alpha, beta, batch, target):
     return time_to_loss(batch) / time_to_loss(target) - 1.0
 
 
-def _fit(m, s):
-    """(fitted, alpha, beta) from the decayed sums in s: fitted is False while the pairs hold one batch
-    size only (alpha and beta are then meaningless); alpha >= 0, and beta >= _MIN_BETA_FRACTION of the
-    mean time per sample."""
-    det = s.s0 * s.sbb - s.sb * s.sb
-    fitted = det > _MIN_REL_SPREAD * s.sb * s.sb
-    beta = (s.s0 * s.sbt - s.sb * s.st) / m.where(fitted, det, 1.0)
-    alpha = (s.st - beta * s.sb) / m.where(s.s0 > 0, s.s0, 1.0)
-    min_beta = _MIN_BETA_FRACTION * s.st / m.where(s.sb > 0, s.sb, 1.0)
+def _fit(m, s0, sb, sbb, st, sbt):
+    """(fitted, alpha, beta) from the decayed sums of the step-time fit: fitted is False while the pairs
+    hold one batch size only (alpha and beta are then meaningless); alpha >= 0, and beta >=
+    _MIN_BETA_FRACTION of the mean time per sample."""
+    det = s0 * sbb - sb * sb
+    fitted = det > _MIN_REL_SPREAD * sb * sb
+    beta = (s0 * sbt - sb * st) / m.where(fitted, det, 1.0)
+    alpha = (st - beta * sb) / m.where(s0 > 0, s0, 1.0)
+    min_beta = _MIN_BETA_FRACTION * st / m.where(sb > 0, sb, 1.0)
     return fitted, m.maximum(alpha, 0.0), m.maximum(beta, min_beta)
 
 
