@@ -103,8 +103,8 @@ def notes(model, steps):
         'included.',
         'Compiled: kungfu.rewrite(train_step, ..., policies=[policy], optimizer=opt, dataset=ds). After the '
         'update the step counts itself and runs the policy under a tf.cond that is true every k steps (also '
-        'at k = 1). In the traced graph the true branch of this policy holds about 240 ops besides constants '
-        'and identities: 51 variable reads, 18 assigns (its state and the controls), about 170 float64 '
+        'at k = 1). In the traced graph the true branch of this policy holds about 285 ops besides constants '
+        'and identities: 36 variable reads, 19 assigns (its state and the controls), about 225 float64 '
         'scalar ops (mul, select, cast, div, ...), 2 asserts, and one all-reduce of one float64 (step_time, '
         'which the policy reads, and one more point per due step where the workers wait for each other); no '
         'Python between steps. The false branch is two ops.',
