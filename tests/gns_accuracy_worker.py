@@ -130,7 +130,8 @@ def check(b_small, rewrite=False):
             within("grad_variance", tail, TRACE * (1.0 / b_small - 1.0 / b_big)),
         ]
         print(f"gns accuracy N={kungfu.size()} B_small={b_small}: " + ", ".join(report), flush=True)
-        values = np.array([got["gns"], got["snr"], float(m.read("g_sq").numpy()), float(m.read("trace").numpy())], np.float32)
+        values = np.array([got["gns"], got["snr"], float(m.read("g_sq").numpy()), float(m.read("trace").numpy())],
+                          np.float32)
         if not bool(kungfu.consensus(values)):
             raise AssertionError(f"workers differ on (gns, snr, |G|^2, tr Sigma): {values.tolist()}")
         if rewrite:  # the same gradients through the optimizer wrapper give the same numbers

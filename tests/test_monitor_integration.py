@@ -19,8 +19,9 @@ from mp import assert_checks_passed, launch
 pytestmark = pytest.mark.usefixtures("kungfu_library")
 
 WORKER = os.path.join(REPO, "tests", "monitor_worker.py")
-MP_CHECKS = ["gns_matches_reference", "gns_matches_reference_with_a_sparse_gradient", "workers_agree", "fit_with_monitor_callback",
-             "interval_runs_every_k_steps_without_retrace", "collective_stats_count_each_collective"]
+MP_CHECKS = ["gns_matches_reference", "gns_matches_reference_with_a_sparse_gradient", "workers_agree",
+             "fit_with_monitor_callback", "interval_runs_every_k_steps_without_retrace",
+             "collective_stats_count_each_collective"]
 
 
 @pytest.fixture(autouse=True, scope="module")

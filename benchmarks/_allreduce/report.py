@@ -138,8 +138,8 @@ def render(results, nps, sizes, meta, failures):
     series = [s for s in SERIES_ORDER if s in results]
     parts = ['# Allreduce, float32 sum, local processes', '']
     parts += ['- %s: %s' % kv for kv in meta]
-    parts += ['', 'Each cell: median over iterations of the slowest rank (a barrier precedes every iteration), the best such '
-              'median over the rounds.',
+    parts += ['', 'Each cell: median over iterations of the slowest rank (a barrier precedes every iteration), '
+              'the best such median over the rounds.',
               '', '## Bandwidth, GB/s: algbw / busbw (busbw = algbw * 2(n-1)/n)', '',
               bandwidth_table(results, nps, sizes, series), '', '## Median time per allreduce, microseconds', '',
               latency_table(results, nps, sizes, series), '',

@@ -85,8 +85,9 @@ def target_line(results, steps):
     if po is None:
         return '- GNS at interval 1 adds at most 3% to step time: not measured'
     cpu_text = '' if cpu is None else '; CPU time per step %+.1f%% paired' % (100 * cpu)
-    return '- GNS at interval 1 adds at most 3%% to step time: %+.1f%% paired (%+.1f%% from the pooled medians%s), %s' % (
-        100 * po, 100 * ov, cpu_text, 'met' if po <= TARGET else 'NOT met')
+    verdict = 'met' if po <= TARGET else 'NOT met'
+    return ('- GNS at interval 1 adds at most 3%% to step time: %+.1f%% paired (%+.1f%% from the pooled medians%s), %s'
+            % (100 * po, 100 * ov, cpu_text, verdict))
 
 
 NOTES = [

@@ -81,7 +81,8 @@ def _value(x, *, numeric):
     else:
         raise NotCompilable(f"a graph op got {x!r} ({type(x).__name__}); only numbers and readings fit")
     if numeric and v.dtype == bool:
-        raise NotCompilable("arithmetic on a bool: in the graph, conditions do not mix with numbers; use ctx.math.where")
+        raise NotCompilable("arithmetic on a bool: in the graph, conditions do not mix with numbers; "
+                            "use ctx.math.where")
     return v
 
 
