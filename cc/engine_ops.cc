@@ -276,7 +276,6 @@ int Engine::Impl::AfterEvents() {
     ReportSent();
     CheckBroken(c);
     if (c->broken()) continue;
-    if (c->broken()) continue;
     if (empty == writing_[d]) {
       writing_[d] = !empty;
       loop_.Modify(c->fd(), empty ? EPOLLIN : (EPOLLIN | EPOLLOUT));
