@@ -74,15 +74,22 @@ int kungfu_size(void) {
   return e ? e->size() : 1;
 }
 
-int kungfu_finalize(void) {
+namespace {
+int Finalize(bool leave_cleanly) {
   std::shared_ptr<kungfu::Engine> e;
   {
     std::lock_guard<std::mutex> lock(kungfu::g_mu);
     e.swap(kungfu::g_engine);
   }
+  if (e && leave_cleanly) e->LeaveCleanly();
   e.reset();  // waits for in-flight work unless a kernel still holds a reference
   return 0;
 }
+}  // namespace
+
+int kungfu_finalize(void) { return Finalize(false); }
+
+int kungfu_leave(void) { return Finalize(true); }
 
 int kungfu_stats(int64_t* out, int n) {
   auto e = kungfu::GlobalEngine();

@@ -21,6 +21,9 @@ int kungfu_rank(void);
 int kungfu_size(void);
 /* Waits for in-flight work (bounded by the timeout) and stops the engine. Safe to call twice. */
 int kungfu_finalize(void);
+/* kungfu_finalize for a worker whose last collective (the finalize barrier) succeeded: it says goodbye to
+ * every peer first, so a peer still finishing that collective does not take this exit for a failure. */
+int kungfu_leave(void);
 /* Fills up to n counters in EngineStats order: started, completed, failed, in_flight, max_in_flight,
  * bytes_sent, bytes_received, refused_handshakes. Returns how many were written. */
 int kungfu_stats(int64_t* out, int n);

@@ -38,6 +38,7 @@ Status Engine::Impl::Start() {
                            std::to_string(kMaxPayloadBytes));
   }
   dead_.assign(n, Status::OK());
+  left_.assign(n, false);
   out_.resize(n);
   in_.resize(n);
   writing_.assign(n, false);
@@ -135,8 +136,10 @@ void Engine::Impl::Shutdown() {
   loop_.Post([this] {
     std::vector<uint64_t> ids;
     for (auto& [key, a] : ops_) ids.push_back(a.op->id);
+    const bool goodbye = leave_cleanly_ && ids.empty() && p2p_.idle();
     for (uint64_t id : ids) Fail(id, Cancelled("the engine is shutting down"), false);
     p2p_.CancelAll(Cancelled("the engine is shutting down"));
+    if (goodbye) SendGoodbyes();  // queued after everything owed, so peers read it last
     flushing_ = true;
   });
   cv_.wait_until(lock, DeadlineAfter(std::min(config_.timeout_seconds, 10.0)), [this] { return flushed_; });
@@ -182,6 +185,7 @@ void Engine::Impl::ResetStats() {
 
 Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() { impl_->Shutdown(); }
+void Engine::LeaveCleanly() { impl_->LeaveCleanly(); }
 
 StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineConfig& config) {
   auto impl = std::make_unique<Impl>(config);

@@ -10,7 +10,8 @@
 //  3. Every message carries the sender's dtype, element count and algorithm; a mismatch fails the
 //     collective with InvalidArgument here and tells every other peer (an ABORT frame), so all fail alike.
 //  4. Every collective has a deadline (timeout). A peer whose connection closes fails every in-flight
-//     collective at once, naming the peer; later collectives fail immediately.
+//     collective at once, naming the peer; later collectives fail immediately. A peer that leaves
+//     cleanly (LeaveCleanly) says so first: it no longer fails the collectives it has finished too.
 //  5. Callbacks run on the loop thread: they must be quick and must not call back into a blocking wait.
 //  6. Buffers passed in must stay valid and unmodified until the callback runs.
 //  7. Peer-to-peer (cc/p2p/): each worker keeps a store of named tensors (Save); any worker can fetch
@@ -64,6 +65,13 @@ class Engine {
   static StatusOr<std::unique_ptr<Engine>> Start(const EngineConfig& config);
   // Waits (up to the timeout) for in-flight collectives and queued sends, then closes everything.
   ~Engine();
+  // Makes the destructor say goodbye to every peer before it closes, provided nothing in flight had to
+  // be cancelled. Call it after a collective that every worker finishes right before leaving (the
+  // finalize barrier): a peer still finishing that collective, which needs nothing more from this one,
+  // then does not take the closed connection for a failure. Collectives a peer starts after the
+  // goodbye, and those in flight there that this worker never started, fail at once naming it.
+  // Without it, a closing worker fails its peers' in-flight collectives (a crash looks the same).
+  void LeaveCleanly();
 
   int rank() const;
   int size() const;

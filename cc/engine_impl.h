@@ -61,6 +61,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
                       uint64_t* owner) override;
   void OnFrame(int src, const FrameHeader& h, std::string name, char* data, std::unique_ptr<char[]> owned) override;
   void OnConnectionError(int peer, const Status& s);
+  void LeaveCleanly() { leave_cleanly_ = true; }
   void CheckBroken(Connection* c);
 
  private:
@@ -84,6 +85,8 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   void Fail(uint64_t op_id, Status s, bool tell_peers);
   void Finish(std::map<Key, ActiveOp>::iterator it, const Status& s);
   void SendAbort(const Key& key, const Status& s);
+  void SendGoodbyes();
+  void OnPeerLeft(int peer, uint64_t started);
   void OnSendDone(uint64_t op_id);
   void ReportSent();  // OnSendDone for every id in sent_
   int AfterEvents();  // flush, deadlines; returns the loop's next sleep in ms
@@ -96,6 +99,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   Fd listener_;
   std::thread acceptor_;
   std::atomic<bool> stopping_{false};
+  std::atomic<bool> leave_cleanly_{false};  // say goodbye at shutdown (LeaveCleanly)
   bool loop_started_ = false;  // set by Start once the loop thread runs
 
   // Loop thread state.
@@ -108,6 +112,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   int64_t pending_bytes_ = 0;
   std::unordered_map<std::string, uint64_t> next_gen_;
   std::vector<Status> dead_;  // by rank: why a peer is gone (OK while alive)
+  std::vector<bool> left_;    // by rank: the peer said goodbye (it is in dead_ too)
   Status first_dead_;
   uint64_t next_op_id_ = 1;
   std::vector<uint64_t> sent_;  // ops whose frames were written, to report outside op code

@@ -75,7 +75,8 @@ void Engine::Impl::Dispatch(ActiveOp& a, int src, const FrameHeader& h, const ch
       break;
     case FrameKind::kRequest:
     case FrameKind::kResponse:
-      return;  // peer-to-peer frames never reach a collective (OnFrame routes them to p2p_)
+    case FrameKind::kBye:
+      return;  // never reach a collective: OnFrame routes them to p2p_ and OnPeerLeft
     case FrameKind::kAbort: {
       const int code = static_cast<int>(h.tag);
       const Code c = code >= 1 && code <= 14 ? static_cast<Code>(code) : Code::kUnknown;
@@ -138,7 +139,7 @@ void Engine::Impl::Finish(std::map<Key, ActiveOp>::iterator it, const Status& s)
 void Engine::Impl::SendAbort(const Key& key, const Status& s) {
   std::string text = s.message().substr(0, kMaxAbortText);
   for (int d = 0; d < size(); ++d) {
-    if (d == rank() || !out_[d] || out_[d]->broken()) continue;
+    if (d == rank() || !out_[d] || out_[d]->broken() || left_[d]) continue;
     FrameHeader h;
     h.kind = FrameKind::kAbort;
     h.tag = static_cast<uint32_t>(s.code());
@@ -151,11 +152,44 @@ void Engine::Impl::SendAbort(const Key& key, const Status& s) {
   }
 }
 
+void Engine::Impl::SendGoodbyes() {
+  for (int d = 0; d < size(); ++d) {
+    if (d == rank() || !out_[d] || out_[d]->broken() || left_[d]) continue;
+    FrameHeader h;
+    h.kind = FrameKind::kBye;
+    h.generation = next_op_id_ - 1;  // the collectives this worker started
+    h.cluster_version = config_.peers.version();
+    out_[d]->EnqueueOwned(h, "kungfu/bye", nullptr, 0);
+  }
+}
+
+// A peer that leaves cleanly has finished every collective it started, and sent all it owed for them
+// before its goodbye. In-flight collectives here that it took part in need nothing more from it; any
+// it never started (this worker has started more) can never finish, so they fail now.
+void Engine::Impl::OnPeerLeft(int peer, uint64_t started) {
+  if (!dead_[peer].ok()) return;
+  left_[peer] = true;
+  dead_[peer] = Unavailable("peer " + config_.peers.Describe(peer) + " has left the cluster (it finalized after " +
+                            std::to_string(started) + " collective(s))");
+  if (first_dead_.ok()) first_dead_ = dead_[peer];
+  KF_LOG(Info) << "rank " << rank() << ": " << dead_[peer].message();
+  p2p_.OnPeerGone(peer, dead_[peer]);
+  if (out_[peer]) out_[peer]->DropQueued(&sent_);  // frames for collectives it has finished
+  if (next_op_id_ - 1 > started && !ops_.empty()) {
+    const Status why = Unavailable(dead_[peer].message() + "; this worker started " +
+                                   std::to_string(next_op_id_ - 1) + ", so some collective here never ran there");
+    std::vector<uint64_t> ids;
+    for (auto& [key, a] : ops_) ids.push_back(a.op->id);
+    for (uint64_t id : ids) Fail(id, why, false);
+  }
+}
+
 void Engine::Impl::Send(Op* op, int dst, FrameHeader h, const void* data) {
   if (dst == rank() || dst < 0 || dst >= size() || !out_[dst]) {
     KF_LOG(Error) << Describe(*op) << ": no connection to rank " << dst;
     return;
   }
+  if (left_[dst]) return;  // it has finished every collective it will take part in: nothing to send
   if (out_[dst]->broken()) return;  // the op fails through OnConnectionError
   h.generation = op->generation;
   h.cluster_version = config_.peers.version();
@@ -221,6 +255,7 @@ void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char
   }
   if (h.kind == FrameKind::kRequest) return p2p_.OnRequest(src, h, name);
   if (h.kind == FrameKind::kResponse) return p2p_.OnResponse(src, h, data);
+  if (h.kind == FrameKind::kBye) return OnPeerLeft(src, h.generation);
   const Key key(std::move(name), h.generation);
   auto it = ops_.find(key);
   if (h.cluster_version != config_.peers.version()) {
@@ -244,10 +279,13 @@ void Engine::Impl::CheckBroken(Connection* c) {
 }
 
 void Engine::Impl::OnConnectionError(int peer, const Status& s) {
+  // A peer that leaves cleanly says goodbye on the connection it writes to, then closes both; the
+  // close of the other one can be seen first, so read what is waiting here before judging.
+  if (dead_[peer].ok() && in_[peer] && !in_[peer]->broken()) in_[peer]->OnReadable();
   for (auto* c : {out_[peer].get(), in_[peer].get()}) {
     if (c && c->broken()) loop_.Remove(c->fd());
   }
-  if (!dead_[peer].ok()) return;
+  if (!dead_[peer].ok()) return;  // already gone, or left cleanly (OnPeerLeft)
   dead_[peer] = Unavailable("peer " + config_.peers.Describe(peer) + ": " + s.message());
   if (first_dead_.ok()) first_dead_ = dead_[peer];
   // A peer that leaves while nothing is in flight has simply finished; say more only when it hurts.

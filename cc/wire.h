@@ -11,7 +11,8 @@ namespace kungfu {
 
 constexpr uint32_t kFrameMagic = 0x474e464b;  // "KFNG"
 // 2: adds the peer-to-peer REQUEST and RESPONSE frames (and their algorithm id).
-constexpr uint16_t kProtocolVersion = 2;
+// 3: adds the BYE frame.
+constexpr uint16_t kProtocolVersion = 3;
 constexpr size_t kFrameHeaderSize = 64;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint64_t kMaxPayloadBytes = uint64_t{64} << 20;  // pieces are at most chunk_bytes
@@ -26,8 +27,10 @@ enum class FrameKind : uint8_t {
                   // dtype, count and shape_sig: what the requester expects
   kResponse = 5,  // answers one request: tag = its id, aux = P2PStatus, generation = the copy's version;
                   // dtype, count, shape_sig: the copy's; offset and payload: one piece of its data
+  kBye = 6,  // the sender leaves cleanly: everything it owed was sent before this frame, and it has nothing
+             // in flight. generation = how many collectives it started; no payload
 };
-constexpr uint8_t kLastFrameKind = 5;
+constexpr uint8_t kLastFrameKind = 6;
 
 // Which collective algorithm produced the frame. Peers must agree; a mismatch is InvalidArgument.
 enum class Algo : uint8_t {

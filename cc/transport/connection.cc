@@ -235,4 +235,11 @@ int Connection::CancelOp(uint64_t op_id) {
   return dropped;
 }
 
+void Connection::DropQueued(std::vector<uint64_t>* dropped) {
+  for (const OutFrame& f : queue_) {
+    if (f.op_id != 0) dropped->push_back(f.op_id);
+  }
+  queue_.clear();
+}
+
 }  // namespace kungfu

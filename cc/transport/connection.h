@@ -58,6 +58,9 @@ class Connection {
   // Drops the op's frames that have not started; copies the unsent rest of a partly written one, so
   // the caller may release the op's buffers now. Returns how many frames were dropped.
   int CancelOp(uint64_t op_id);
+  // Drops every queued frame, partly written ones too (the peer has said it needs none of them), and
+  // appends their op ids to dropped, as if written.
+  void DropQueued(std::vector<uint64_t>* dropped);
   // If a payload is being read into op_id's memory, read the rest of it into nothing instead.
   void AbandonTarget(uint64_t op_id);
 

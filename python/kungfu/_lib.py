@@ -53,7 +53,7 @@ def _declare(c):
     c.kungfu_init.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_double, ctypes.c_uint32,
                               ctypes.c_char_p, ctypes.c_int]
     c.kungfu_init.restype = ctypes.c_int
-    for fn in (c.kungfu_initialized, c.kungfu_rank, c.kungfu_size, c.kungfu_finalize):
+    for fn in (c.kungfu_initialized, c.kungfu_rank, c.kungfu_size, c.kungfu_finalize, c.kungfu_leave):
         fn.argtypes = []
         fn.restype = ctypes.c_int
     c.kungfu_stats.argtypes = [i64p, ctypes.c_int]
@@ -152,19 +152,21 @@ def finalize():
     The wait keeps this worker's engine serving its peers until all are done: pair averaging
     fetches models from peers' stores, and a worker that finished its steps first must not vanish
     under the others. It is bounded by the timeout (KUNGFU_TIMEOUT), ends at once when a peer has
-    died, and is skipped when the process is exiting on an uncaught exception.
+    died, and is skipped when the process is exiting on an uncaught exception. After it, the
+    engine says goodbye to its peers, so one still finishing the wait does not take this worker's
+    exit for a failure; without it (a failed or skipped wait), peers see a closed connection.
     """
     global _cluster
     with _lock:
         if _cluster is None:
             return
-        if _cluster.size > 1 and not _uncaught:
-            _finalize_barrier()
+        clean = _cluster.size > 1 and not _uncaught and _finalize_barrier()
         _cluster = None
-        _library.c.kungfu_finalize()
+        (_library.c.kungfu_leave if clean else _library.c.kungfu_finalize)()
 
 
 def _finalize_barrier():
+    """True when every worker reached finalize; logs a warning otherwise."""
     one, total = ctypes.c_int32(1), ctypes.c_int32(0)
     err = ctypes.create_string_buffer(_ERR_LEN)
     code = _library.c.kungfu_all_reduce(ctypes.byref(one), ctypes.byref(total), 1, _DTYPE_INT32, _OP_SUM,
@@ -172,6 +174,7 @@ def _finalize_barrier():
     if code != 0:
         logging.getLogger("kungfu").warning("kungfu.finalize: not every worker reached finalize (%s); leaving anyway",
                                             err.value.decode(errors="replace"))
+    return code == 0
 
 
 def initialized():
