@@ -28,27 +28,42 @@ def _timed(barrier, run):
     return time.perf_counter() - t0
 
 
+def _measure_size(coll, nbytes, plan, log):
+    run, first_value = coll.prepare(nbytes)
+    warm = [_timed(coll.barrier, run) for _ in range(plan['warmup'])]
+    got = first_value()
+    if abs(got - coll.size) > 1e-3 * coll.size:
+        raise RuntimeError('allreduce of ones over %d ranks gave %r at %d bytes' % (coll.size, got, nbytes))
+    want = int(plan['seconds'] / max(warm[-1], 1e-7))
+    want = min(plan['max_iters'], max(plan['min_iters'], want))
+    iters = coll.sum_over_ranks(want) // coll.size  # identical on every rank
+    times = [_timed(coll.barrier, run) for _ in range(iters)]
+    if coll.rank == 0:
+        ordered = sorted(times)
+        log('  %9d B: %4d iters, median %.1f us' % (nbytes, iters, ordered[len(ordered) // 2] * 1e6), flush=True)
+    return times
+
+
 def measure_series(coll, plan, log=print):
     """Runs the plan on one adapter and returns {nbytes: [seconds, ...]}.
 
     coll needs: rank, size, barrier(), sum_over_ranks(int) -> int, prepare(nbytes) -> (run, first_value)
     where run() does one allreduce of ones and first_value() reads element 0 of its last output.
     """
-    series = {}
+    return {str(nbytes): _measure_size(coll, nbytes, plan, log) for nbytes in plan['sizes']}
+
+
+def measure_interleaved(colls, plan, log=print):
+    """measure_series for several adapters in the same processes, {series: coll}, taking turns size by
+    size, so that the series being compared are measured minutes apart at most rather than a whole
+    sweep apart. Returns {series: {nbytes: [seconds, ...]}}."""
+    results = {series: {} for series in colls}
     for nbytes in plan['sizes']:
-        run, first_value = coll.prepare(nbytes)
-        warm = [_timed(coll.barrier, run) for _ in range(plan['warmup'])]
-        got = first_value()
-        if abs(got - coll.size) > 1e-3 * coll.size:
-            raise RuntimeError('allreduce of ones over %d ranks gave %r at %d bytes' % (coll.size, got, nbytes))
-        want = int(plan['seconds'] / max(warm[-1], 1e-7))
-        want = min(plan['max_iters'], max(plan['min_iters'], want))
-        iters = coll.sum_over_ranks(want) // coll.size  # identical on every rank
-        series[str(nbytes)] = [_timed(coll.barrier, run) for _ in range(iters)]
-        if coll.rank == 0:
-            times = sorted(series[str(nbytes)])
-            log('  %9d B: %4d iters, median %.1f us' % (nbytes, iters, times[len(times) // 2] * 1e6), flush=True)
-    return series
+        for series, coll in colls.items():
+            if coll.rank == 0:
+                log('%s' % series, flush=True)
+            results[series][str(nbytes)] = _measure_size(coll, nbytes, plan, log)
+    return results
 
 
 def write_results(plan, rank, all_series):
