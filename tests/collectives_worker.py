@@ -461,10 +461,34 @@ def run_kill():
     print("KFKILL " + json.dumps(report), flush=True)
 
 
+def run_leave():
+    """Rank 0 calls kungfu.finalize(); the others take part in its barrier (the same call finalize makes)
+    without leaving, then try one more collective: it must fail at once, naming rank 0 as having left
+    the cluster (its goodbye), not as a closed connection (a crash)."""
+    x = tf.ones([4])
+    kungfu.barrier(name="before-leave")
+    if kungfu.rank() == 0:
+        kungfu.finalize()
+        return
+    assert _lib._finalize_barrier(), "the finalize barrier failed"
+    start = time.perf_counter()
+    try:
+        kungfu.all_reduce(x, name="after-leave")
+        report = {"error": None}
+    except tf.errors.OpError as e:
+        report = {"error": type(e).__name__, "message": e.message.splitlines()[0]}
+    report["seconds"] = round(time.perf_counter() - start, 3)
+    print("KFLEAVE " + json.dumps(report), flush=True)
+    time.sleep(1)  # let the other stayer report before this one's exit closes its connections
+    os._exit(0)  # its own finalize would only find rank 0 gone
+
+
 def main():
     kungfu.init()
     if sys.argv[1] == "checks":
         sys.exit(1 if run_checks() else 0)
+    if sys.argv[1] == "leave":
+        return run_leave()
     run_kill()
 
 

@@ -3,7 +3,8 @@
 Each np is one launch of tests/collectives_worker.py, which runs every check (values for every op,
 dtype and reduction on odd sizes, broadcast from every root, all-gather with differing first dims,
 consensus, mismatches, rank-dependent order, concurrency inside tf.function) and reports each one;
-see that file. One more launch kills a worker with SIGKILL in the middle of a collective.
+see that file. One more launch kills a worker with SIGKILL in the middle of a collective, and another
+has one worker finalize while the others stay.
 
 Every process a test starts is killed when the test ends, on every path (tests/mp.py).
 """
@@ -52,3 +53,18 @@ def test_peer_killed_mid_collective(tmp_path):
             assert r["seconds"] < timeout, f"rank {rank} {step} took {r['seconds']} s"
         assert report["after"]["seconds"] < 2, "a collective after the peer died must fail at once"
     assert time.monotonic() - start < 100
+
+
+def test_finalized_peer_is_named_as_having_left(tmp_path):
+    code, out = launch(3, [WORKER, "leave"], tmp_path, timeout=20, budget=120)
+    assert code == 0, out[-4000:]
+    reports = {}
+    for line in out.splitlines():
+        m = re.match(r"^\[(\d+)\] KFLEAVE (.*)$", line)
+        if m:
+            reports[int(m.group(1))] = json.loads(m.group(2))
+    assert sorted(reports) == [1, 2], out[-4000:]
+    for rank, r in reports.items():
+        assert r["error"] == "UnavailableError", f"rank {rank}: {r}"
+        assert "(rank 0)" in r["message"] and "has left the cluster" in r["message"], f"rank {rank}: {r}"
+        assert r["seconds"] < 2, f"rank {rank}: a collective after a peer left must fail at once: {r}"
