@@ -11,7 +11,7 @@
 //     collective with InvalidArgument here and tells every other peer (an ABORT frame), so all fail alike.
 //  4. Every collective has a deadline (timeout). A peer whose connection closes fails every in-flight
 //     collective at once, naming the peer; later collectives fail immediately. A peer that leaves
-//     cleanly (LeaveCleanly) says so first: it no longer fails the collectives it has finished too.
+//     cleanly (LeaveCleanly) says so first, and collectives it has finished too go on without it.
 //  5. Callbacks run on the loop thread: they must be quick and must not call back into a blocking wait.
 //  6. Buffers passed in must stay valid and unmodified until the callback runs.
 //  7. Peer-to-peer (cc/p2p/): each worker keeps a store of named tensors (Save); any worker can fetch

@@ -55,8 +55,8 @@ def measure_series(coll, plan, log=print):
 
 def measure_interleaved(colls, plan, log=print):
     """measure_series for several adapters in the same processes, {series: coll}, taking turns size by
-    size, so that the series being compared are measured minutes apart at most rather than a whole
-    sweep apart. Returns {series: {nbytes: [seconds, ...]}}."""
+    size, so that the series being compared are measured seconds apart rather than a whole sweep
+    apart. Returns {series: {nbytes: [seconds, ...]}}."""
     results = {series: {} for series in colls}
     for nbytes in plan['sizes']:
         for series, coll in colls.items():
