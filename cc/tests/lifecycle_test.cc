@@ -1,0 +1,162 @@
+// Peers that start, leave, die or stall: N ranks as threads in one process over loopback. A dead or
+// stalled peer is an error within the deadline, a clean leave (LeaveCleanly) fails nobody, and a bad
+// token or a taken port fails Start.
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include "cc/engine.h"
+#include "cc/tests/cluster.h"
+#include "cc/tests/testing.h"
+#include "cc/transport/socket.h"
+
+namespace kungfu {
+namespace {
+
+using testing::RunRanks;
+using testing::StartCluster;
+using testing::Waiter;
+
+TEST(Errors, PeerThatLeavesFailsOthersPromptlyNamingIt) {
+  const int n = 3;
+  auto engines = StartCluster(n, [](EngineConfig& c) { c.timeout_seconds = 30; });
+  const auto t0 = std::chrono::steady_clock::now();
+  RunRanks(n, [&](int r) {
+    if (r == 2) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      engines[r].reset();  // leaves without joining the collective
+      return;
+    }
+    std::vector<float> buf(1000, 1.f);
+    Status s = engines[r]->AllReduceSync(buf.data(), buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum, "x");
+    EXPECT_EQ(CodeName(s.code()), CodeName(Code::kUnavailable));
+    EXPECT_TRUE(s.message().find("rank 2") != std::string::npos);
+  });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_TRUE(secs < 10);  // far below the 30 s timeout: the close was noticed, not waited out
+}
+
+// kungfu.finalize's pattern: one last collective, then every worker leaves as soon as its own part is
+// done. A worker that finished first must not fail a peer still finishing (at np 4, rank 0 may still
+// wait for rank 2 when rank 1 closes). Star (np 3), recursive doubling and the ring (np 4); many rounds,
+// since the order in which workers finish varies.
+TEST(Leave, CleanLeaveAfterTheLastCollectiveFailsNoPeer) {
+  struct Case {
+    int n;
+    int64_t ring_threshold;
+    int64_t count;
+  };
+  for (const Case& k : {Case{3, 1 << 20, 1}, Case{4, 1 << 20, 1}, Case{4, 0, 4096}}) {
+    for (int round = 0; round < 5; ++round) {
+      auto engines = StartCluster(k.n, [&](EngineConfig& c) {
+        c.timeout_seconds = 20;
+        c.ring_threshold_bytes = k.ring_threshold;
+        c.chunk_bytes = 1024;
+      });
+      RunRanks(k.n, [&](int r) {
+        std::vector<float> buf(k.count, 1.f);
+        Status s = engines[r]->AllReduceSync(buf.data(), buf.data(), k.count, DType::kFloat32, ReduceOp::kSum, "fin");
+        EXPECT_OK(s);
+        EXPECT_EQ(buf[k.count - 1], static_cast<float>(k.n));
+        engines[r]->LeaveCleanly();
+        engines[r].reset();
+      });
+    }
+  }
+}
+
+// The same race, made certain. Recursive doubling at np 4 pairs 0-1 and 2-3, then 0-2 and 1-3. Rank 2's
+// loop is held for 300 ms (a peer-to-peer answer from rank 3, whose callback sleeps there) before it
+// reads rank 3's first-round data, while rank 3 joins late (100 ms), so ranks 1 and 3 finish and leave
+// while rank 0 still waits for rank 2. Rank 0 must not take rank 1's exit for a failure.
+TEST(Leave, PeerStillFinishingIsNotFailedByOneThatLeft) {
+  const int n = 4;
+  auto engines = StartCluster(n, [](EngineConfig& c) {
+    c.timeout_seconds = 20;
+    c.ring_threshold_bytes = 1 << 20;  // recursive doubling
+  });
+  RunRanks(n, [&](int r) {
+    float x = 1;
+    if (r == 3) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    Waiter fin;
+    engines[r]->AllReduce(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "fin", fin.Callback());
+    if (r == 2) {  // answered by rank 3's loop before rank 3 joins, so ahead of its data on the wire
+      float unused = 0;
+      engines[r]->Request(3, "w", &unused, 1, DType::kFloat32, 0, [](const Status&, int64_t) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));  // holds rank 2's loop
+      });
+    }
+    EXPECT_OK(fin.Wait());
+    EXPECT_EQ(x, 4.f);
+    engines[r]->LeaveCleanly();
+    engines[r].reset();
+  });
+}
+
+TEST(Leave, LaterCollectiveFailsAtOnceNamingTheLeaver) {
+  const int n = 3;
+  auto engines = StartCluster(n, [](EngineConfig& c) { c.timeout_seconds = 30; });
+  const auto t0 = std::chrono::steady_clock::now();
+  RunRanks(n, [&](int r) {
+    float x = 1;
+    EXPECT_OK(engines[r]->AllReduceSync(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "fin"));
+    if (r == 2) {
+      engines[r]->LeaveCleanly();
+      engines[r].reset();
+      return;
+    }
+    // Started before or after the goodbye arrives: either way it can never finish, and says why.
+    Status s = engines[r]->AllReduceSync(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "after");
+    EXPECT_EQ(CodeName(s.code()), CodeName(Code::kUnavailable));
+    EXPECT_TRUE(s.message().find("rank 2") != std::string::npos);
+    EXPECT_TRUE(s.message().find("left the cluster") != std::string::npos);
+  });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_TRUE(secs < 10);  // not the 30 s timeout
+}
+
+TEST(Errors, StalledPeerIsDeadlineExceeded) {
+  const int n = 2;
+  auto engines = StartCluster(n, [](EngineConfig& c) { c.timeout_seconds = 0.5; });
+  std::vector<float> buf(10, 1.f);
+  Status s = engines[0]->AllReduceSync(buf.data(), buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum, "stall");
+  EXPECT_EQ(CodeName(s.code()), CodeName(Code::kDeadlineExceeded));
+  EXPECT_TRUE(s.message().find("stall") != std::string::npos);
+}
+
+TEST(Handshake, WrongTokenIsRefused) {
+  const PeerList peers = testing::LoopbackPeers(2);
+  std::vector<Status> results(2);
+  std::vector<std::unique_ptr<Engine>> engines(2);
+  RunRanks(2, [&](int r) {
+    EngineConfig c;
+    c.peers = peers;
+    c.rank = r;
+    c.token = r == 0 ? "right" : "wrong";
+    c.timeout_seconds = 1;  // a refused handshake is retried until the deadline
+    auto e = Engine::Start(c);
+    results[r] = e.status();
+    if (e.ok()) engines[r] = std::move(e.value());
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(CodeName(results[r].code()), CodeName(Code::kPermissionDenied));
+}
+
+TEST(Errors, PortInUseFailsStartPromptly) {
+  const PeerList peers = testing::LoopbackPeers(2);
+  EngineConfig c;
+  c.peers = peers;
+  c.rank = 0;
+  c.token = "t";
+  c.timeout_seconds = 30;
+  auto listener = Listen(peers.at(0).port);  // someone else holds rank 0's port
+  ASSERT_TRUE(listener.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto second = Engine::Start(c);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(CodeName(second.status().code()), CodeName(Code::kUnavailable));
+  EXPECT_TRUE(second.status().message().find("bind port") != std::string::npos);
+  EXPECT_TRUE(secs < 2);
+}
+
+}  // namespace
+}  // namespace kungfu
