@@ -210,12 +210,17 @@ void Engine::AllReduce(const void* in, void* out, int64_t count, DType dtype, Re
   const int n = size();
   // With two workers recursive doubling is one swap, moving the same bytes as the ring in one step
   // instead of two: it wins up to about 4x the threshold that suits larger clusters (measured, README).
-  const int64_t threshold = n == 2 ? std::min<int64_t>(4 * impl_->config().ring_threshold_bytes, kMaxPayloadBytes)
-                                   : impl_->config().ring_threshold_bytes;
+  const EngineConfig& c = impl_->config();
+  const bool pow2 = n > 1 && (n & (n - 1)) == 0;
+  const int64_t threshold = n == 2 ? std::min<int64_t>(4 * c.ring_threshold_bytes, kMaxPayloadBytes)
+                                   : c.ring_threshold_bytes;
   const bool ring = n > 1 && bytes >= threshold && count >= n;
-  const bool doubling = n > 1 && (n & (n - 1)) == 0;
-  auto o = ring       ? NewAllReduceRing(in, out, count, dtype, op, name, std::move(done))
-           : doubling ? NewAllReduceDoubling(in, out, count, dtype, op, name, std::move(done))
+  // On 4, 8, ... workers, halving-doubling takes the ring's place while there is nothing to pipeline
+  // (each of its steps one piece): 2 log2(n) steps instead of 2(n-1) (docs/engine.md has the figures).
+  const bool halving = c.halving && ring && n > 2 && pow2 && bytes <= 2 * c.chunk_bytes;
+  auto o = halving    ? NewAllReduceHalving(in, out, count, dtype, op, name, std::move(done))
+           : ring     ? NewAllReduceRing(in, out, count, dtype, op, name, std::move(done))
+           : pow2     ? NewAllReduceDoubling(in, out, count, dtype, op, name, std::move(done))
                       : NewAllReduceStar(in, out, count, dtype, op, name, std::move(done));
   o->shape_sig = shape_sig;
   impl_->Submit(std::move(o));
@@ -294,9 +299,11 @@ Status ReadEnvNumber(const char* var, double min, double max, double* out) {
 }  // namespace
 
 Status ApplyEnvOverrides(EngineConfig* c) {
-  double spin = c->spin_us;
+  double spin = c->spin_us, halving = c->halving ? 1 : 0;
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_SPIN_US", 0, 1e6, &spin));
+  RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_HALVING", 0, 1, &halving));
   c->spin_us = static_cast<int>(spin);
+  c->halving = halving != 0;
   double timeout = c->timeout_seconds, ring = static_cast<double>(c->ring_threshold_bytes),
          chunk = static_cast<double>(c->chunk_bytes), pending = static_cast<double>(c->max_pending_bytes);
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_TIMEOUT", 0.001, 1e7, &timeout));

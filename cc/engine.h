@@ -36,8 +36,9 @@ struct EngineConfig {
   int rank = 0;                       // this worker's index into peers
   std::string token;                  // the job secret proven in the handshake
   double timeout_seconds = 60;        // deadline of every blocking wait (KUNGFU_TIMEOUT)
-  int64_t ring_threshold_bytes = 256 << 10;  // allreduce at or above this size uses the ring
+  int64_t ring_threshold_bytes = 256 << 10;  // allreduce at or above this size uses the ring (or halving)
   int64_t chunk_bytes = 1 << 20;      // pipeline piece size of the ring and chain broadcast
+  bool halving = true;  // 4, 8, ... workers: halving-doubling for ring sizes up to 2 pieces (KUNGFU_HALVING)
   int64_t max_pending_bytes = int64_t{1} << 30;  // bound on data buffered for collectives not started
   int spin_us = 200;                  // the loop polls this long after activity before sleeping (KUNGFU_SPIN_US)
 };
@@ -125,8 +126,9 @@ class Engine {
   std::unique_ptr<Impl> impl_;
 };
 
-// Reads KUNGFU_TIMEOUT, KUNGFU_RING_THRESHOLD, KUNGFU_CHUNK_BYTES, KUNGFU_MAX_PENDING_BYTES and KUNGFU_SPIN_US into
-// config, leaving fields whose variable is unset. Bad values are an InvalidArgument naming the variable.
+// Reads KUNGFU_TIMEOUT, KUNGFU_RING_THRESHOLD, KUNGFU_CHUNK_BYTES, KUNGFU_HALVING, KUNGFU_MAX_PENDING_BYTES and
+// KUNGFU_SPIN_US into config, leaving fields whose variable is unset. Bad values are an InvalidArgument naming
+// the variable.
 Status ApplyEnvOverrides(EngineConfig* config);
 
 }  // namespace kungfu

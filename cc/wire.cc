@@ -27,6 +27,7 @@ const char* AlgoName(Algo a) {
     case Algo::kAllGather: return "allgather";
     case Algo::kAllReduceDoubling: return "allreduce/doubling";
     case Algo::kPeerToPeer: return "p2p";
+    case Algo::kAllReduceHalving: return "allreduce/halving";
   }
   return "unknown";
 }

@@ -12,7 +12,8 @@ namespace kungfu {
 constexpr uint32_t kFrameMagic = 0x474e464b;  // "KFNG"
 // 2: adds the peer-to-peer REQUEST and RESPONSE frames (and their algorithm id).
 // 3: adds the BYE frame.
-constexpr uint16_t kProtocolVersion = 3;
+// 4: adds allreduce by halving-doubling (its algorithm id).
+constexpr uint16_t kProtocolVersion = 4;
 constexpr size_t kFrameHeaderSize = 64;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint64_t kMaxPayloadBytes = uint64_t{64} << 20;  // pieces are at most chunk_bytes
@@ -41,8 +42,9 @@ enum class Algo : uint8_t {
   kAllGather = 5,
   kAllReduceDoubling = 6,
   kPeerToPeer = 7,  // REQUEST and RESPONSE frames
+  kAllReduceHalving = 8,
 };
-constexpr uint8_t kLastAlgo = 7;
+constexpr uint8_t kLastAlgo = 8;
 
 // aux of a RESPONSE frame.
 enum class P2PStatus : uint32_t {

@@ -29,7 +29,8 @@ Status CheckAgreement(const PeerList& peers, int src, const FrameHeader& h, cons
   const std::string who = "peer " + peers.Describe(src);
   if (h.algo != s.algo) {
     return InvalidArgument(who + " runs " + AlgoName(h.algo) + ", this worker " + AlgoName(s.algo) +
-                           " (different sizes or KUNGFU_RING_THRESHOLD across workers?)");
+                           " (different sizes, or KUNGFU_RING_THRESHOLD, KUNGFU_CHUNK_BYTES or KUNGFU_HALVING"
+                           " across workers?)");
   }
   if (h.dtype != static_cast<uint8_t>(s.dtype) || h.count != s.count) {
     const char* their = IsValidDType(h.dtype) ? DTypeName(static_cast<DType>(h.dtype)) : "unknown";

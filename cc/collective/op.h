@@ -92,6 +92,9 @@ std::unique_ptr<Op> NewAllReduceStar(const void* in, void* out, int64_t count, D
 // Small messages on a power-of-two number of workers (2, 4, 8, ...).
 std::unique_ptr<Op> NewAllReduceDoubling(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
                                          std::string name, DoneCallback done);
+// Mid-size messages on 4, 8, ... workers: recursive halving, then doubling (Rabenseifner).
+std::unique_ptr<Op> NewAllReduceHalving(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
+                                        std::string name, DoneCallback done);
 std::unique_ptr<Op> NewAllReduceRing(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
                                      std::string name, DoneCallback done);
 std::unique_ptr<Op> NewBroadcast(void* buf, int64_t count, DType dtype, int root, bool chain, std::string name,

@@ -1,6 +1,7 @@
 // Engine tests: N ranks as threads in one process over loopback, np 1 to 4, sizes including 0 and 1.
 // Values, algorithms, mismatches and concurrency; peers leaving, dying or stalling are in lifecycle_test.cc.
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -104,6 +105,63 @@ TEST(AllReduce, StarExactAllTypesNp1To4) {
 TEST(AllReduce, RingExactAllTypesNp2To4SmallPieces) {
   // Small pieces make the pipeline run many steps even for small buffers.
   for (int n = 2; n <= 4; ++n) SweepAllReduce(n, 0, 4096);
+}
+
+TEST(AllReduce, HalvingExactAllTypesNp4And8) {
+  // Threshold 0 and 1 MiB pieces: every size from n elements on runs halving-doubling (odd splits too).
+  for (int n : {4, 8}) SweepAllReduce(n, 0, 1 << 20);
+}
+
+TEST(AllReduce, InPlaceHalving) {
+  const int n = 4;
+  auto engines = StartCluster(n);  // default threshold and pieces: 1 MiB is a halving size
+  const int64_t count = (1 << 20) / 4 + 3;
+  RunRanks(n, [&](int r) {
+    for (int rep = 0; rep < 3; ++rep) {  // the same name again: a fresh generation each time
+      std::vector<float> buf(count);
+      for (int64_t i = 0; i < count; ++i) buf[i] = static_cast<float>(Value(r, i));
+      EXPECT_OK(engines[r]->AllReduceSync(buf.data(), buf.data(), count, DType::kFloat32, ReduceOp::kSum, "mid"));
+      int bad = 0;
+      for (int64_t i = 0; i < count && bad < 3; ++i) {
+        if (buf[i] != static_cast<float>(Expected(n, i, DType::kFloat32, ReduceOp::kSum))) ++bad;
+      }
+      EXPECT_EQ(bad, 0);
+    }
+  });
+}
+
+TEST(Errors, HalvingSettingMismatchIsInvalidArgumentEverywhere) {
+  // One worker with halving-doubling off runs the ring where the others halve: every worker must fail
+  // the collective alike, and the message names both algorithms.
+  const int n = 4;
+  auto engines = StartCluster(n, [](EngineConfig& c) { c.halving = c.rank != 3; });
+  std::vector<std::string> messages(n);
+  RunRanks(n, [&](int r) {
+    std::vector<float> buf((1 << 20) / 4, 1.f);
+    Status s = engines[r]->AllReduceSync(buf.data(), buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum, "h");
+    EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
+    messages[r] = s.message();
+  });
+  // Rank 3 (it hears halving frames) or rank 0 (it hears rank 3's ring frames) saw the mismatch itself.
+  bool named = false;
+  for (const std::string& m : messages) {
+    named = named || (m.find("allreduce/ring") != std::string::npos && m.find("allreduce/halving") != std::string::npos);
+  }
+  if (!named) EXPECT_EQ(messages[0] + " | " + messages[3], "a message naming both algorithms");
+}
+
+TEST(Config, HalvingFromTheEnvironment) {
+  EngineConfig c;
+  EXPECT_TRUE(c.halving);
+  setenv("KUNGFU_HALVING", "0", 1);
+  EXPECT_OK(ApplyEnvOverrides(&c));
+  EXPECT_TRUE(!c.halving);
+  setenv("KUNGFU_HALVING", "1", 1);
+  EXPECT_OK(ApplyEnvOverrides(&c));
+  EXPECT_TRUE(c.halving);
+  setenv("KUNGFU_HALVING", "yes", 1);
+  EXPECT_EQ(CodeName(ApplyEnvOverrides(&c).code()), CodeName(Code::kInvalidArgument));
+  unsetenv("KUNGFU_HALVING");
 }
 
 TEST(AllReduce, InPlaceLargeRing) {
