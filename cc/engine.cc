@@ -302,6 +302,7 @@ Status ApplyEnvOverrides(EngineConfig* c) {
   double spin = c->spin_us, halving = c->halving ? 1 : 0;
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_SPIN_US", 0, 1e6, &spin));
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_HALVING", 0, 1, &halving));
+  if (halving != 0 && halving != 1) return InvalidArgument("KUNGFU_HALVING must be 0 or 1");
   c->spin_us = static_cast<int>(spin);
   c->halving = halving != 0;
   double timeout = c->timeout_seconds, ring = static_cast<double>(c->ring_threshold_bytes),

@@ -66,11 +66,14 @@ double Expected(int n, int64_t i, DType d, ReduceOp op) {
   return Load(tmp.data(), 0, d);
 }
 
-// Every dtype x op x size on one cluster; threshold picks star (huge) or ring (0).
-void SweepAllReduce(int n, int64_t ring_threshold, int64_t chunk_bytes) {
+// Every dtype x op x size on one cluster. A huge threshold picks the small-message algorithm (doubling or
+// star), 0 the large-message one: the ring, or on 4, 8, ... workers halving-doubling for buffers of up to
+// two pieces unless halving is false.
+void SweepAllReduce(int n, int64_t ring_threshold, int64_t chunk_bytes, bool halving = true) {
   auto engines = StartCluster(n, [&](EngineConfig& c) {
     c.ring_threshold_bytes = ring_threshold;
     c.chunk_bytes = chunk_bytes;
+    c.halving = halving;
   });
   ASSERT_EQ(static_cast<int>(engines.size()), n);
   const int64_t sizes[] = {0, 1, 2, 7, 1000, 65537};
@@ -104,7 +107,7 @@ TEST(AllReduce, StarExactAllTypesNp1To4) {
 
 TEST(AllReduce, RingExactAllTypesNp2To4SmallPieces) {
   // Small pieces make the pipeline run many steps even for small buffers.
-  for (int n = 2; n <= 4; ++n) SweepAllReduce(n, 0, 4096);
+  for (int n = 2; n <= 4; ++n) SweepAllReduce(n, 0, 4096, /*halving=*/false);
 }
 
 TEST(AllReduce, HalvingExactAllTypesNp4And8) {
@@ -159,8 +162,10 @@ TEST(Config, HalvingFromTheEnvironment) {
   setenv("KUNGFU_HALVING", "1", 1);
   EXPECT_OK(ApplyEnvOverrides(&c));
   EXPECT_TRUE(c.halving);
-  setenv("KUNGFU_HALVING", "yes", 1);
-  EXPECT_EQ(CodeName(ApplyEnvOverrides(&c).code()), CodeName(Code::kInvalidArgument));
+  for (const char* bad : {"yes", "0.5", "2"}) {
+    setenv("KUNGFU_HALVING", bad, 1);
+    EXPECT_EQ(CodeName(ApplyEnvOverrides(&c).code()), CodeName(Code::kInvalidArgument));
+  }
   unsetenv("KUNGFU_HALVING");
 }
 
