@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 
 #include "cc/engine.h"
@@ -115,15 +116,14 @@ TEST(AllReduce, HalvingExactAllTypesNp4And8) {
   for (int n : {4, 8}) SweepAllReduce(n, 0, 1 << 20);
 }
 
-TEST(AllReduce, InPlaceHalving) {
-  const int n = 4;
-  auto engines = StartCluster(n);  // default threshold and pieces: 1 MiB is a halving size
-  const int64_t count = (1 << 20) / 4 + 3;
+// An in-place float32 sum of count elements on n workers, reps times under one name, checked exactly.
+void InPlaceSum(int n, int64_t count, int reps, const std::function<void(EngineConfig&)>& tweak = {}) {
+  auto engines = StartCluster(n, tweak);
   RunRanks(n, [&](int r) {
-    for (int rep = 0; rep < 3; ++rep) {  // the same name again: a fresh generation each time
+    for (int rep = 0; rep < reps; ++rep) {  // the same name again: a fresh generation each time
       std::vector<float> buf(count);
       for (int64_t i = 0; i < count; ++i) buf[i] = static_cast<float>(Value(r, i));
-      EXPECT_OK(engines[r]->AllReduceSync(buf.data(), buf.data(), count, DType::kFloat32, ReduceOp::kSum, "mid"));
+      EXPECT_OK(engines[r]->AllReduceSync(buf.data(), buf.data(), count, DType::kFloat32, ReduceOp::kSum, "sum"));
       int bad = 0;
       for (int64_t i = 0; i < count && bad < 3; ++i) {
         if (buf[i] != static_cast<float>(Expected(n, i, DType::kFloat32, ReduceOp::kSum))) ++bad;
@@ -131,6 +131,10 @@ TEST(AllReduce, InPlaceHalving) {
       EXPECT_EQ(bad, 0);
     }
   });
+}
+
+TEST(AllReduce, InPlaceHalving) {
+  InPlaceSum(4, (1 << 20) / 4 + 3, 3);  // default threshold and pieces: 1 MiB is a halving size
 }
 
 TEST(Errors, HalvingSettingMismatchIsInvalidArgumentEverywhere) {
@@ -170,19 +174,7 @@ TEST(Config, HalvingFromTheEnvironment) {
 }
 
 TEST(AllReduce, InPlaceLargeRing) {
-  const int n = 3;
-  auto engines = StartCluster(n, [](EngineConfig& c) { c.chunk_bytes = 256 << 10; });
-  const int64_t count = (16 << 20) / 4 + 3;
-  RunRanks(n, [&](int r) {
-    std::vector<float> buf(count);
-    for (int64_t i = 0; i < count; ++i) buf[i] = static_cast<float>(Value(r, i));
-    EXPECT_OK(engines[r]->AllReduceSync(buf.data(), buf.data(), count, DType::kFloat32, ReduceOp::kSum, "big"));
-    int bad = 0;
-    for (int64_t i = 0; i < count && bad < 3; ++i) {
-      if (buf[i] != static_cast<float>(Expected(n, i, DType::kFloat32, ReduceOp::kSum))) ++bad;
-    }
-    EXPECT_EQ(bad, 0);
-  });
+  InPlaceSum(3, (16 << 20) / 4 + 3, 1, [](EngineConfig& c) { c.chunk_bytes = 256 << 10; });
 }
 
 TEST(Broadcast, EveryRootStarAndChain) {
