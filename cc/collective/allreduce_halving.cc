@@ -15,9 +15,9 @@
 // in the reduce-scatter, which that partner sends only after it has received (so this worker has written) the
 // whole of it. A reduce-scatter frame may arrive before the previous round is reduced; it waits in its
 // round's own scratch region. Steps finish in order.
-#include <algorithm>
 #include <cstring>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "cc/collective/op.h"
@@ -45,16 +45,11 @@ class AllReduceHalving : public Op {
     n_ = ctx->size();
     r_ = ctx->rank();
     while ((1 << levels_) < n_) ++levels_;
-    if ((1 << levels_) != n_ || count_ < n_) {
+    if (n_ < 2 || (1 << levels_) != n_ || count_ < n_) {  // the engine picks it only for 4, 8, ... workers
       return Internal("halving-doubling needs a power-of-two cluster size and at least one element per worker");
     }
     if (static_cast<uint64_t>((count_ - count_ / 2) * esize_) > kMaxPayloadBytes) {
       return Internal("halving-doubling sends each step as one frame: the buffer is too large");
-    }
-    if (n_ == 1) {
-      if (in_ != out_ && count_ > 0) std::memcpy(out_, in_, count_ * esize_);
-      done_all_ = true;
-      return Status::OK();
     }
     // Round k of the reduce-scatter: the range held before it, split into the half kept and the half sent.
     Range held{0, count_};
