@@ -59,7 +59,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   // FrameSink (from connections, loop thread).
   char* PayloadTarget(int src, const FrameHeader& h, const std::string& name, bool* discard,
                       uint64_t* owner) override;
-  void OnFrame(int src, const FrameHeader& h, std::string name, char* data, std::unique_ptr<char[]> owned) override;
+  void OnFrame(int src, const FrameHeader& h, std::string name, char* data, Buffer owned) override;
   void OnConnectionError(int peer, const Status& s);
   void LeaveCleanly() { leave_cleanly_ = true; }
   void CheckBroken(Connection* c);
@@ -73,7 +73,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   struct PendingFrame {
     int src;
     FrameHeader h;
-    std::unique_ptr<char[]> data;
+    Buffer data;
   };
 
   Status ConnectToPeers();

@@ -146,7 +146,7 @@ void Engine::Impl::SendAbort(const Key& key, const Status& s) {
     h.generation = key.second;
     h.cluster_version = config_.peers.version();
     h.payload_bytes = text.size();
-    std::unique_ptr<char[]> payload(new char[text.size() + 1]);
+    Buffer payload = NewBuffer(text.size() + 1);
     std::copy(text.begin(), text.end(), payload.get());
     out_[d]->EnqueueOwned(h, key.first, std::move(payload), 0);
   }
@@ -240,7 +240,7 @@ char* Engine::Impl::PayloadTarget(int src, const FrameHeader& h, const std::stri
     const std::string why = "more than " + std::to_string(config_.max_pending_bytes) +
                             " bytes arrived for collectives this worker had not started; raise "
                             "KUNGFU_MAX_PENDING_BYTES or start collectives in a more similar order";
-    std::unique_ptr<char[]> text(new char[why.size() + 1]);
+    Buffer text = NewBuffer(why.size() + 1);
     std::copy(why.begin(), why.end() + 1, text.get());
     pending_[key].push_back(PendingFrame{kPoisonSource, h, std::move(text)});
     KF_LOG(Warning) << "rank " << rank() << ": " << why;
@@ -249,7 +249,7 @@ char* Engine::Impl::PayloadTarget(int src, const FrameHeader& h, const std::stri
 }
 
 void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char* data,
-                           std::unique_ptr<char[]> owned) {
+                           Buffer owned) {
   if (h.kind == FrameKind::kData || h.kind == FrameKind::kResponse) {
     stats_.bytes_received += static_cast<int64_t>(h.payload_bytes);
   }

@@ -32,7 +32,7 @@ const char* AlgoName(Algo a) {
   return "unknown";
 }
 
-// Layout: magic u32 @0, version u16 @4, kind u8 @6, dtype u8 @7, algo u8 @8, (pad) @9..11,
+// Layout: magic u32 @0, version u16 @4, kind u8 @6, dtype u8 @7, algo u8 @8, pad u8 @9, (unused) @10..11,
 // aux u32 @12, cluster_version u32 @16, name_len u32 @20, tag u32 @24, shape_sig u32 @28,
 // generation u64 @32, count i64 @40, offset i64 @48, payload_bytes u64 @56.
 void EncodeFrameHeader(const FrameHeader& h, uint32_t name_len, uint8_t* out) {
@@ -42,6 +42,7 @@ void EncodeFrameHeader(const FrameHeader& h, uint32_t name_len, uint8_t* out) {
   Put<uint8_t>(out, 6, static_cast<uint8_t>(h.kind));
   Put<uint8_t>(out, 7, h.dtype);
   Put<uint8_t>(out, 8, static_cast<uint8_t>(h.algo));
+  Put<uint8_t>(out, 9, h.pad);
   Put<uint32_t>(out, 12, h.aux);
   Put<uint32_t>(out, 16, h.cluster_version);
   Put<uint32_t>(out, 20, name_len);
@@ -67,6 +68,8 @@ Status DecodeFrameHeader(const uint8_t* in, FrameHeader* h, uint32_t* name_len) 
   const uint8_t algo = Get<uint8_t>(in, 8);
   if (algo < 1 || algo > kLastAlgo) return InvalidArgument("bad algorithm id " + std::to_string(algo));
   h->algo = static_cast<Algo>(algo);
+  h->pad = Get<uint8_t>(in, 9);
+  if (h->pad >= kMaxPadBytes) return InvalidArgument("frame pad of " + std::to_string(h->pad) + " bytes out of bounds");
   h->aux = Get<uint32_t>(in, 12);
   h->cluster_version = Get<uint32_t>(in, 16);
   *name_len = Get<uint32_t>(in, 20);

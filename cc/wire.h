@@ -1,5 +1,6 @@
 // The frame format between engines. Every frame is a fixed 64-byte header, the collective name,
-// then the payload. All integers are little-endian. Lengths are bounded before any allocation.
+// 0-63 zero bytes of pad, then the payload. All integers are little-endian. Lengths are bounded
+// before any allocation.
 #pragma once
 
 #include <cstdint>
@@ -13,9 +14,11 @@ constexpr uint32_t kFrameMagic = 0x474e464b;  // "KFNG"
 // 2: adds the peer-to-peer REQUEST and RESPONSE frames (and their algorithm id).
 // 3: adds the BYE frame.
 // 4: adds allreduce by halving-doubling (its algorithm id).
-constexpr uint16_t kProtocolVersion = 4;
+// 5: adds the pad between the name and the payload.
+constexpr uint16_t kProtocolVersion = 5;
 constexpr size_t kFrameHeaderSize = 64;
 constexpr uint32_t kMaxNameBytes = 4096;
+constexpr uint8_t kMaxPadBytes = 64;
 constexpr uint64_t kMaxPayloadBytes = uint64_t{64} << 20;  // pieces are at most chunk_bytes
 constexpr int64_t kMaxElements = int64_t{1} << 40;
 
@@ -58,6 +61,8 @@ struct FrameHeader {
   FrameKind kind = FrameKind::kData;
   uint8_t dtype = 0;
   Algo algo = Algo::kAllReduceStar;
+  uint8_t pad = 0;               // zero bytes between the name and the payload, < kMaxPadBytes (see
+                                 // Connection::Enqueue for why)
   uint32_t aux = 0;              // reduce op (allreduce), root (broadcast), own count check (allgather),
                                  // P2PStatus (response)
   uint32_t cluster_version = 0;  // membership version the sender works under

@@ -12,6 +12,7 @@
 #include <memory>
 #include <vector>
 
+#include "cc/buffer.h"
 #include "cc/collective/op.h"
 
 namespace kungfu {
@@ -152,7 +153,7 @@ class AllReduceRing : public Op {
       return Status::OK();
     }
     piece_ = std::max<int64_t>(1, ctx->config().chunk_bytes / esize_);
-    scratch_.reset(new char[piece_ * esize_]);
+    scratch_ = NewBuffer(piece_ * esize_);
     expected_ = (count_ - ChunkSize(r_)) + (count_ - ChunkSize((r_ + 1) % n_));
     // No copy of in to out: step 0 sends our chunk from in, and every chunk of out is written
     // exactly once, either by its reduce-scatter reduction (out = in + received) or by the allgather.
@@ -229,7 +230,7 @@ class AllReduceRing : public Op {
   int n_ = 1, r_ = 0;
   int64_t piece_ = 1;
   int64_t expected_ = 0, received_ = 0;
-  std::unique_ptr<char[]> scratch_;  // one reduce-scatter piece
+  Buffer scratch_;  // one reduce-scatter piece
 };
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include <memory>
 #include <vector>
 
+#include "cc/buffer.h"
 #include "cc/collective/op.h"
 
 namespace kungfu {
@@ -38,12 +39,12 @@ class AllReduceDoubling : public Op {
       return Status::OK();
     }
     const size_t alloc = static_cast<size_t>(std::max<int64_t>(bytes_, 1));
-    for (int k = 0; k < rounds_; ++k) recv_.emplace_back(new char[alloc]);
-    for (int k = 0; k + 1 < rounds_; ++k) stage_.emplace_back(new char[alloc]);
+    for (int k = 0; k < rounds_; ++k) recv_.push_back(NewBuffer(alloc));
+    for (int k = 0; k + 1 < rounds_; ++k) stage_.push_back(NewBuffer(alloc));
     got_.assign(rounds_, false);
     first_ = in_;
     if (in_ == out_ && bytes_ > 0) {  // the last round writes out, which round 0 may still be sending
-      copy_.reset(new char[bytes_]);
+      copy_ = NewBuffer(bytes_);
       std::memcpy(copy_.get(), in_, bytes_);
       first_ = copy_.get();
     }
@@ -116,9 +117,9 @@ class AllReduceDoubling : public Op {
   int round_ = 0;   // rounds reduced so far
   bool finished_ = false;
   const char* first_ = nullptr;                 // what round 0 sends: in, or copy_ when in == out
-  std::unique_ptr<char[]> copy_;
-  std::vector<std::unique_ptr<char[]>> recv_;   // per round: the partner's partial result
-  std::vector<std::unique_ptr<char[]>> stage_;  // per round but the last: our partial result
+  Buffer copy_;
+  std::vector<Buffer> recv_;   // per round: the partner's partial result
+  std::vector<Buffer> stage_;  // per round but the last: our partial result
   std::vector<bool> got_;                       // per round: partner's frame received
 };
 

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "cc/buffer.h"
 #include "cc/collective/op.h"
 
 namespace kungfu {
@@ -65,7 +66,7 @@ class AllReduceHalving : public Op {
       scratch += keep_.back().size();
       held = keep_.back();
     }
-    scratch_.reset(new char[scratch * esize_]);
+    scratch_ = NewBuffer(scratch * esize_);
     received_.assign(2 * levels_, false);
     SendRange(ctx, 0, send_[0], in_);
     return Status::OK();
@@ -166,7 +167,7 @@ class AllReduceHalving : public Op {
   bool done_all_ = false;
   std::vector<Range> keep_, send_;    // per reduce-scatter round
   std::vector<int64_t> scratch_at_;   // per reduce-scatter round: where its frames wait, in elements
-  std::unique_ptr<char[]> scratch_;
+  Buffer scratch_;
   std::vector<bool> received_;        // per step: the partner's frame is in
 };
 

@@ -23,7 +23,7 @@ Status VariableStore::Save(const std::string& name, const void* data, int64_t co
   copy->shape_sig = shape_sig;
   const int64_t bytes = copy->bytes();
   if (bytes > 0) {
-    copy->data.reset(new char[bytes]);
+    copy->data = NewBuffer(bytes);
     std::memcpy(copy->data.get(), data, static_cast<size_t>(bytes));
   }
   std::lock_guard<std::mutex> lock(mu_);

@@ -14,12 +14,13 @@
 #include <unordered_map>
 
 #include "cc/dtype.h"
+#include "cc/buffer.h"
 #include "cc/status.h"
 
 namespace kungfu {
 
 struct SavedCopy {
-  std::unique_ptr<char[]> data;  // count * DTypeSize(dtype) bytes (null when empty)
+  Buffer data;  // count * DTypeSize(dtype) bytes (null when empty)
   int64_t count = 0;             // elements
   DType dtype = DType::kUInt8;
   uint32_t shape_sig = 0;        // the saver's shape hash (0: none); requests must match it

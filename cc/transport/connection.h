@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "cc/buffer.h"
 #include "cc/status.h"
 #include "cc/transport/socket.h"
 #include "cc/wire.h"
@@ -30,7 +31,7 @@ class FrameSink {
   // op's memory sets *owner to the op's id, so the op can abandon it (AbandonTarget) if it ends first.
   virtual char* PayloadTarget(int src, const FrameHeader& h, const std::string& name, bool* discard,
                               uint64_t* owner) = 0;
-  virtual void OnFrame(int src, const FrameHeader& h, std::string name, char* data, std::unique_ptr<char[]> owned) = 0;
+  virtual void OnFrame(int src, const FrameHeader& h, std::string name, char* data, Buffer owned) = 0;
 };
 
 class Connection {
@@ -48,7 +49,7 @@ class Connection {
   // Queues a frame. data (payload_bytes long) must stay valid until written or cancelled.
   void Enqueue(const FrameHeader& h, const std::string& name, const void* data, uint64_t op_id);
   // Same, but the connection owns the payload.
-  void EnqueueOwned(const FrameHeader& h, const std::string& name, std::unique_ptr<char[]> data, uint64_t op_id);
+  void EnqueueOwned(const FrameHeader& h, const std::string& name, Buffer data, uint64_t op_id);
   // Same, but keep holds data alive until the frame is written or dropped (a peer-to-peer response
   // sends from an immutable saved copy that a newer save may replace meanwhile).
   void EnqueueShared(const FrameHeader& h, const std::string& name, const void* data, std::shared_ptr<const void> keep);
@@ -70,11 +71,12 @@ class Connection {
     std::string name;
     const char* data = nullptr;
     uint64_t len = 0;
-    std::unique_ptr<char[]> owned;
+    Buffer owned;
     std::shared_ptr<const void> keep;  // keeps data alive instead of owned (EnqueueShared)
-    uint64_t written = 0;  // of header + name + payload
+    uint8_t pad = 0;
+    uint64_t written = 0;  // of header + name + pad + payload
     uint64_t op_id = 0;
-    uint64_t total() const { return kFrameHeaderSize + name.size() + len; }
+    uint64_t total() const { return kFrameHeaderSize + name.size() + pad + len; }
   };
   enum class ReadState { kHeader, kPayload };
 
@@ -97,13 +99,14 @@ class Connection {
   FrameHeader header_;
   std::string name_;
   char* target_ = nullptr;
-  std::unique_ptr<char[]> owned_;
+  Buffer owned_;
   bool discard_ = false;
   uint64_t target_owner_ = 0;  // op whose memory target_ points into (0: ours or none)
   uint64_t payload_got_ = 0;
 
   // Write side.
   std::deque<OutFrame> queue_;
+  uint64_t queued_end_ = 0;  // stream offset just past the last queued frame (for the pad)
 };
 
 }  // namespace kungfu
