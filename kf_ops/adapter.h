@@ -15,6 +15,7 @@
 #include <string>
 
 #include "absl/status/status.h"
+#include "cc/buffer.h"
 #include "cc/dtype.h"
 #include "cc/engine.h"
 #include "cc/status.h"

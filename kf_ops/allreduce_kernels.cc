@@ -183,7 +183,8 @@ class GroupAllReduceOp : public AsyncOpKernel {
     const size_t elem = kungfu::DTypeSize(part.dtype);
     int64_t total = carry != nullptr ? static_cast<int64_t>(elem) : 0;
     for (int i : part.tensors) total += bytes[i];
-    auto buffer = std::make_shared<std::vector<char>>(static_cast<size_t>(total));
+    // Cache-line aligned like TF's own buffers, so the kernel copies to and from sockets line up (cc/buffer.h).
+    auto buffer = std::make_shared<kungfu::Buffer>(kungfu::NewBuffer(static_cast<size_t>(total)));
     std::vector<std::pair<char*, int64_t>> pieces;  // output and element count, in bucket order
     int64_t offset = 0;
     uint32_t sig = 1;  // over the members' shapes, in order
@@ -191,14 +192,14 @@ class GroupAllReduceOp : public AsyncOpKernel {
     for (int i : part.tensors) {
       sig = CombineSignatures(sig, ShapeSignature(ctx->input(i).shape()));
       if (squares) {
-        local += CopySumSquares(buffer->data() + offset, ins[i].data, ins[i].count, part.dtype);
+        local += CopySumSquares(buffer->get() + offset, ins[i].data, ins[i].count, part.dtype);
       } else if (bytes[i] > 0) {
-        std::memcpy(buffer->data() + offset, ins[i].data, bytes[i]);
+        std::memcpy(buffer->get() + offset, ins[i].data, bytes[i]);
       }
       pieces.emplace_back(const_cast<char*>(outs[i]->tensor_data().data()), ins[i].count);
       offset += bytes[i];
     }
-    if (carry != nullptr) PutScalar(buffer->data() + offset, part.dtype, *carry + local);
+    if (carry != nullptr) PutScalar(buffer->get() + offset, part.dtype, *carry + local);
     const bool mean = op_ == kungfu::ReduceOp::kMean;
     auto unpack = [buffer, pieces, elem, squares, dtype = part.dtype, carried = carry != nullptr, local_sq,
                    divisor = mean ? 1 : size] {
@@ -206,16 +207,16 @@ class GroupAllReduceOp : public AsyncOpKernel {
       int64_t at = 0;
       for (const auto& [dst, count] : pieces) {
         if (squares) {
-          sum += CopySumSquares(dst, buffer->data() + at, count, dtype);
+          sum += CopySumSquares(dst, buffer->get() + at, count, dtype);
         } else if (count > 0) {
-          std::memcpy(dst, buffer->data() + at, count * elem);
+          std::memcpy(dst, buffer->get() + at, count * elem);
         }
         at += count * elem;
       }
-      if (carried) local_sq->scalar<float>()() = static_cast<float>(GetScalar(buffer->data() + at, dtype) / divisor);
+      if (carried) local_sq->scalar<float>()() = static_cast<float>(GetScalar(buffer->get() + at, dtype) / divisor);
       return sum;
     };
-    engine->AllReduce(buffer->data(), buffer->data(), part.count + (carry != nullptr ? 1 : 0), part.dtype, op_, name,
+    engine->AllReduce(buffer->get(), buffer->get(), part.count + (carry != nullptr ? 1 : 0), part.dtype, op_, name,
                       PartCallback(ctx, group, inputs, unpack), sig);
     return local;
   }
