@@ -116,11 +116,11 @@ class AllReduceDoubling : public Op {
   int rounds_ = 0;  // log2(n)
   int round_ = 0;   // rounds reduced so far
   bool finished_ = false;
-  const char* first_ = nullptr;                 // what round 0 sends: in, or copy_ when in == out
+  const char* first_ = nullptr;  // what round 0 sends: in, or copy_ when in == out
   Buffer copy_;
-  std::vector<Buffer> recv_;   // per round: the partner's partial result
-  std::vector<Buffer> stage_;  // per round but the last: our partial result
-  std::vector<bool> got_;                       // per round: partner's frame received
+  std::vector<Buffer> recv_;     // per round: the partner's partial result
+  std::vector<Buffer> stage_;    // per round but the last: our partial result
+  std::vector<bool> got_;        // per round: partner's frame received
 };
 
 }  // namespace

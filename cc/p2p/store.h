@@ -13,18 +13,18 @@
 #include <string>
 #include <unordered_map>
 
-#include "cc/dtype.h"
 #include "cc/buffer.h"
+#include "cc/dtype.h"
 #include "cc/status.h"
 
 namespace kungfu {
 
 struct SavedCopy {
-  Buffer data;  // count * DTypeSize(dtype) bytes (null when empty)
-  int64_t count = 0;             // elements
+  Buffer data;             // count * DTypeSize(dtype) bytes (null when empty)
+  int64_t count = 0;       // elements
   DType dtype = DType::kUInt8;
-  uint32_t shape_sig = 0;        // the saver's shape hash (0: none); requests must match it
-  int64_t version = 0;           // 0 for the first save of the name, then +1 per save
+  uint32_t shape_sig = 0;  // the saver's shape hash (0: none); requests must match it
+  int64_t version = 0;     // 0 for the first save of the name, then +1 per save
   int64_t bytes() const { return count * static_cast<int64_t>(DTypeSize(dtype)); }
 };
 
