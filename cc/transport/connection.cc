@@ -142,7 +142,7 @@ void Connection::FinishFrame() {
 // The pad: the kernel copies a payload from our memory into socket buffers that follow the byte
 // stream (a fresh buffer starts at a page boundary), and the receiver's kernel copies it out into
 // the receiver's memory. On the AMD EPYC machines this was measured on, such a copy ran up to twice
-// as slow when its source and destination sat 1-48 bytes apart within a page (store-to-load
+// as slow when its source and destination sat 1-48 bytes apart within a page (most likely 4K
 // aliasing), e.g. a 64-byte-aligned TensorFlow tensor behind a 64-byte header and a 1-byte name.
 // So a large payload starts at a stream offset in line, mod 64, with its address here; on the
 // receiving side TensorFlow's 64-byte-aligned buffers are then in line too.
