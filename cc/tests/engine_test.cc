@@ -9,7 +9,6 @@
 #include "cc/engine.h"
 #include "cc/tests/cluster.h"
 #include "cc/tests/testing.h"
-#include "cc/wire.h"
 
 namespace kungfu {
 namespace {
@@ -328,67 +327,6 @@ TEST(Errors, DTypeMismatchIsInvalidArgumentEverywhere) {
     const DType d = r == 0 ? DType::kFloat64 : DType::kInt64;
     Status s = engines[r]->AllReduceSync(buf.data(), buf.data(), 8, d, ReduceOp::kSum, "dt");
     EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
-  });
-}
-
-TEST(Wire, HeaderRoundTripAndBounds) {
-  FrameHeader h;
-  h.kind = FrameKind::kData;
-  h.dtype = 6;
-  h.algo = Algo::kAllReduceRing;
-  h.aux = 3;
-  h.cluster_version = 7;
-  h.tag = 5;
-  h.generation = 99;
-  h.count = 1000;
-  h.offset = 500;
-  h.payload_bytes = 2000;
-  uint8_t buf[kFrameHeaderSize];
-  EncodeFrameHeader(h, 4, buf);
-  FrameHeader g;
-  uint32_t name_len = 0;
-  EXPECT_OK(DecodeFrameHeader(buf, &g, &name_len));
-  EXPECT_EQ(name_len, 4u);
-  EXPECT_EQ(g.generation, 99u);
-  EXPECT_EQ(g.offset, 500);
-  h.payload_bytes = kMaxPayloadBytes + 1;
-  EncodeFrameHeader(h, 4, buf);
-  EXPECT_TRUE(!DecodeFrameHeader(buf, &g, &name_len).ok());
-  h.payload_bytes = 8;
-  EncodeFrameHeader(h, kMaxNameBytes + 1, buf);
-  EXPECT_TRUE(!DecodeFrameHeader(buf, &g, &name_len).ok());
-  buf[0] ^= 0xff;
-  EXPECT_TRUE(!DecodeFrameHeader(buf, &g, &name_len).ok());
-  h.pad = kMaxPadBytes - 1;
-  EncodeFrameHeader(h, 4, buf);
-  EXPECT_OK(DecodeFrameHeader(buf, &g, &name_len));
-  EXPECT_EQ(int{g.pad}, kMaxPadBytes - 1);
-  h.pad = kMaxPadBytes;
-  EncodeFrameHeader(h, 4, buf);
-  EXPECT_TRUE(!DecodeFrameHeader(buf, &g, &name_len).ok());
-}
-
-TEST(Wire, PayloadsFromEveryOffsetWithinACacheLine) {
-  // Large payloads are padded into line with the sender's memory: every offset (and, through the name
-  // length, every header length) gives a different pad, and the receiver must skip exactly that many.
-  const int n = 3;
-  auto engines = StartCluster(n);
-  RunRanks(n, [&](int r) {
-    for (int64_t count : {int64_t{5001}, int64_t{70001}}) {  // the star's and the ring's sizes
-      for (int k = 0; k < 16; ++k) {
-        const int shift = (k + 5 * r) % 16;  // int32 elements: 0-60 bytes, different on each worker
-        std::vector<int32_t> storage(count + 16);
-        int32_t* buf = storage.data() + shift;
-        for (int64_t i = 0; i < count; ++i) buf[i] = static_cast<int32_t>(Value(r, i));
-        const std::string name = "pad" + std::string(k, 'x');
-        EXPECT_OK(engines[r]->AllReduceSync(buf, buf, count, DType::kInt32, ReduceOp::kSum, name));
-        int bad = 0;
-        for (int64_t i = 0; i < count && bad < 3; ++i) {
-          if (buf[i] != static_cast<int32_t>(Expected(n, i, DType::kInt32, ReduceOp::kSum))) ++bad;
-        }
-        EXPECT_EQ(bad, 0);
-      }
-    }
   });
 }
 
