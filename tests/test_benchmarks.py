@@ -1,0 +1,77 @@
+"""The benchmarks still run: one small launch of each, whose report must have every row it asked for.
+
+A smoke test, not a speed test: nothing here looks at the figures beyond their being there. It exists
+because a benchmark mode that patches library internals (the training benchmark's collectives-skipped
+run) broke silently once when the patched function gained an argument.
+"""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.usefixtures("kungfu_library")
+
+
+def run_benchmark(script, flags, budget):
+    """Runs benchmarks/<script> flags...; returns its output. Kills everything it started on every path:
+    SIGINT first (the drivers kill their launches on the way out), then SIGKILL to the session."""
+    cmd = [sys.executable, os.path.join(REPO, "benchmarks", script), *flags]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=budget)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            out, _ = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"{script} did not finish within {budget} s:\n{out[-6000:]}")
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def measured(report, row_label, column=2):
+    """The cell `column` (0 = the first) of the table row starting with row_label, or None."""
+    for line in report.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells and cells[0] == row_label:
+            return cells[column]
+    return None
+
+
+def test_training_benchmark_runs_with_and_without_collectives(tmp_path):
+    out_md = tmp_path / "training.md"
+    out = run_benchmark("training.py", ["--quick", "--models=mlp", "--systems=kungfu,kungfu_nocomm",
+                                        f"--out={out_md}"], budget=240)
+    report = out_md.read_text()
+    assert "Failed launches" not in report, report[-6000:] + "\n--- output ---\n" + out[-3000:]
+    for label in ("KungFu S-SGD, 2 workers", "KungFu, collectives skipped, 2 workers"):
+        cell = measured(report, label)
+        assert cell is not None and re.fullmatch(r"[0-9.]+", cell), f"{label}: steps/s {cell!r}\n{report}"
+
+
+def test_allreduce_benchmark_runs(tmp_path):
+    out_md = tmp_path / "allreduce.md"
+    out = run_benchmark("allreduce.py", ["--np=2", "--sizes=4K,1M", "--systems=kungfu,raw", "--rounds=1",
+                                         "--seconds=0.3", f"--out={out_md}"], budget=240)
+    report = out_md.read_text()
+    assert "Not measured" not in report, report[-6000:] + "\n--- output ---\n" + out[-3000:]
+    table = report[report.index("## Median time"):report.index("## Ratios")]
+    for size in ("4 KiB", "1 MiB"):
+        row = [line for line in table.splitlines() if re.match(rf"\|\s*2\s*\|\s*{size}\s*\|", line)]
+        assert row, table
+        cells = [c.strip() for c in row[0].strip().strip("|").split("|")][2:]
+        assert len(cells) == 3 and all(re.fullmatch(r"[0-9.]+", c) for c in cells), row[0]
