@@ -1,6 +1,7 @@
 # Build, test and CI entry points. CI runs `make test` (.ci/run) on a fresh Debian 12 machine as root.
 #
-#   make deps         apt and pip packages (each skipped when already there)
+#   make deps         apt and pip packages (each skipped when already there); every target below runs it
+#                     first, once per top-level make
 #   make build        pip install --no-build-isolation .   (kungfu/_kungfu.so + the Python package)
 #   make cc-test      the engine tests, no TensorFlow: build/cc/kungfu_cc_tests
 #   make bazel-build  bazel build //:kungfu_ops  -> build/bazel/_kungfu.so
@@ -29,6 +30,12 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 
+# Every target installs what it needs first (a fresh machine lacks g++, bazel and even pip's wheel), but
+# only once per top-level make: test, demo and bench run deps, then call the other targets with
+# KF_DEPS_DONE=1, which sub-makes inherit.
+DEPS := $(if $(KF_DEPS_DONE),,deps)
+SUBMAKE = $(MAKE) --no-print-directory KF_DEPS_DONE=1
+
 .PHONY: all deps deps-apt deps-pip build cc-test bazel-build bazel-test test demo bench clean FORCE
 all: build
 
@@ -50,7 +57,7 @@ deps-pip: deps-apt
 
 # ---- the Python package (setup.py) -----------------------------------------------------------
 
-build:
+build: $(DEPS)
 	$(PIP_INSTALL) -q --no-build-isolation .
 	@command -v pyenv >/dev/null && pyenv rehash || true
 
@@ -62,8 +69,8 @@ CC_TEST_OBJS := $(patsubst %.cc,build/cc/obj/%.o,$(CC_TEST_SRCS))
 CC_TEST_BIN := build/cc/kungfu_cc_tests
 CC_TEST_FLAGS := -std=c++17 -O2 -pthread -Wall -I.
 
-cc-test:
-	@$(MAKE) --no-print-directory -j$(NPROC) $(CC_TEST_BIN)
+cc-test: $(DEPS)
+	@$(SUBMAKE) -j$(NPROC) $(CC_TEST_BIN)
 	./$(CC_TEST_BIN)
 
 # Relink when the list of sources changes, not only when an object does.
@@ -86,31 +93,31 @@ build/cc/obj/%.o: %.cc
 BAZEL_FLAGS = --repo_env=PYTHON_BIN_PATH=$(shell $(PYTHON) -c 'import sys; print(sys.executable)') \
               --show_progress_rate_limit=10
 
-bazel-build:
+bazel-build: $(DEPS)
 	$(BAZEL) build $(BAZEL_FLAGS) //:kungfu_ops
 	@mkdir -p build/bazel
 	@rm -f build/bazel/_kungfu.so && cp bazel-bin/_kungfu.so build/bazel/_kungfu.so && chmod u+w build/bazel/_kungfu.so
 	@echo "Bazel-built library: $(CURDIR)/build/bazel/_kungfu.so  (use it with KUNGFU_LIBRARY=<path>)"
 
-bazel-test:
+bazel-test: $(DEPS)
 	$(BAZEL) test $(BAZEL_FLAGS) //cc:engine_test
 
 # ---- everything ------------------------------------------------------------------------------
 
 # Steps run one after another even under make -j: each needs the one before.
 test: deps
-	@$(MAKE) --no-print-directory build
-	@$(MAKE) --no-print-directory cc-test
-	@$(MAKE) --no-print-directory bazel-build bazel-test
+	@$(SUBMAKE) build
+	@$(SUBMAKE) cc-test
+	@$(SUBMAKE) bazel-build bazel-test
 	@$(PYTHON) -m pytest -q tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests under tests/" >&2; fi; exit $$rc
 
 demo: deps
-	@$(MAKE) --no-print-directory build
+	@$(SUBMAKE) build
 	$(KFRUN) -np 4 $(PYTHON) examples/adaptive_batch.py --out_dir=build/demo
 
 bench: deps
-	@$(MAKE) --no-print-directory build
+	@$(SUBMAKE) build
 	$(PYTHON) benchmarks/allreduce.py
 	$(PYTHON) benchmarks/training.py
 	$(PYTHON) benchmarks/monitoring.py
