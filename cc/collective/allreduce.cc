@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "cc/buffer.h"
-#include "cc/collective/op.h"
+#include "cc/collective/allreduce_op.h"
 
 namespace kungfu {
 
@@ -39,20 +39,14 @@ void NarrowHalf(const float* src, void* dst, int64_t n, DType d) {
   }
 }
 
-class AllReduceStar : public Op {
+class AllReduceStar : public AllReduceOp {
  public:
   AllReduceStar(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, std::string name,
                 DoneCallback done, const char* kind)
-      : Op(std::move(name), std::move(done)),
-        kind_(kind),
-        in_(static_cast<const char*>(in)), out_(static_cast<char*>(out)), count_(count), dtype_(dtype), op_(op),
-        bytes_(count * static_cast<int64_t>(DTypeSize(dtype))) {}
-
-  const char* kind() const override { return kind_; }
+      : AllReduceOp(Algo::kAllReduceStar, in, out, count, dtype, op, std::move(name), std::move(done), kind) {}
 
   Status Start(OpContext* ctx) override {
-    n_ = ctx->size();
-    r_ = ctx->rank();
+    Place(ctx);
     if (in_ != out_ && bytes_ > 0) std::memcpy(out_, in_, bytes_);
     seen_.assign(n_, false);
     if (ctx->rank() != 0) {
@@ -106,7 +100,6 @@ class AllReduceStar : public Op {
   }
 
  private:
-  FrameShape Shape() const { return {Algo::kAllReduceStar, dtype_, count_, static_cast<uint32_t>(op_)}; }
   FrameHeader Header(uint32_t tag) const { return MakeFrame(Shape(), tag, 0, static_cast<uint64_t>(bytes_)); }
 
   // Root: all contributions are in. Apply the mean, narrow half types, send the result out.
@@ -121,35 +114,22 @@ class AllReduceStar : public Op {
     got_result_ = true;
   }
 
-  const char* kind_;
-  const char* in_;
-  char* out_;
-  int64_t count_;
-  DType dtype_;
-  ReduceOp op_;
-  int64_t bytes_;
-  int n_ = 1, r_ = 0;
   int contributions_ = 0;
   bool got_result_ = false;
   std::vector<bool> seen_;
   std::vector<float> acc_;  // root's float32 accumulator for half types
 };
 
-class AllReduceRing : public Op {
+class AllReduceRing : public AllReduceOp {
  public:
   AllReduceRing(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, std::string name,
                 DoneCallback done)
-      : Op(std::move(name), std::move(done)),
-        in_(static_cast<const char*>(in)), out_(static_cast<char*>(out)), count_(count), dtype_(dtype), op_(op),
-        esize_(static_cast<int64_t>(DTypeSize(dtype))) {}
-
-  const char* kind() const override { return "allreduce"; }
+      : AllReduceOp(Algo::kAllReduceRing, in, out, count, dtype, op, std::move(name), std::move(done)) {}
 
   Status Start(OpContext* ctx) override {
-    n_ = ctx->size();
-    r_ = ctx->rank();
+    Place(ctx);
     if (n_ == 1) {
-      if (in_ != out_ && count_ > 0) std::memcpy(out_, in_, count_ * esize_);
+      if (in_ != out_ && bytes_ > 0) std::memcpy(out_, in_, bytes_);
       return Status::OK();
     }
     piece_ = std::max<int64_t>(1, ctx->config().chunk_bytes / esize_);
@@ -199,8 +179,6 @@ class AllReduceRing : public Op {
   int Left() const { return (r_ + n_ - 1) % n_; }
   int64_t ChunkSize(int j) const { return ChunkBegin(count_, n_, j + 1) - ChunkBegin(count_, n_, j); }
 
-  FrameShape Shape() const { return {Algo::kAllReduceRing, dtype_, count_, static_cast<uint32_t>(op_)}; }
-
   // The chunk a frame of step t must fall in, and whether it is one of our pieces.
   Status Placement(const FrameHeader& h, int64_t* len) const {
     const int t = static_cast<int>(h.tag);
@@ -221,13 +199,6 @@ class AllReduceRing : public Op {
     ctx->Send(this, (r_ + 1) % n_, h, from + off * esize_);
   }
 
-  const char* in_;
-  char* out_;
-  int64_t count_;
-  DType dtype_;
-  ReduceOp op_;
-  int64_t esize_;
-  int n_ = 1, r_ = 0;
   int64_t piece_ = 1;
   int64_t expected_ = 0, received_ = 0;
   Buffer scratch_;  // one reduce-scatter piece

@@ -12,25 +12,20 @@
 #include <vector>
 
 #include "cc/buffer.h"
-#include "cc/collective/op.h"
+#include "cc/collective/allreduce_op.h"
 
 namespace kungfu {
 
 namespace {
 
-class AllReduceDoubling : public Op {
+class AllReduceDoubling : public AllReduceOp {
  public:
   AllReduceDoubling(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, std::string name,
                     DoneCallback done)
-      : Op(std::move(name), std::move(done)),
-        in_(static_cast<const char*>(in)), out_(static_cast<char*>(out)), count_(count), dtype_(dtype), op_(op),
-        bytes_(count * static_cast<int64_t>(DTypeSize(dtype))) {}
-
-  const char* kind() const override { return "allreduce"; }
+      : AllReduceOp(Algo::kAllReduceDoubling, in, out, count, dtype, op, std::move(name), std::move(done)) {}
 
   Status Start(OpContext* ctx) override {
-    n_ = ctx->size();
-    r_ = ctx->rank();
+    Place(ctx);
     while ((1 << rounds_) < n_) ++rounds_;
     if ((1 << rounds_) != n_) return Internal("recursive doubling needs a power-of-two cluster size");
     if (n_ == 1) {
@@ -87,7 +82,6 @@ class AllReduceDoubling : public Op {
 
  private:
   int Partner(int round) const { return r_ ^ (1 << round); }
-  FrameShape Shape() const { return {Algo::kAllReduceDoubling, dtype_, count_, static_cast<uint32_t>(op_)}; }
 
   Status Expected(int src, const FrameHeader& h) const {
     if (!SameCollective(h, Shape())) return InvalidArgument("frame of another collective");
@@ -106,13 +100,6 @@ class AllReduceDoubling : public Op {
               data);
   }
 
-  const char* in_;
-  char* out_;
-  int64_t count_;
-  DType dtype_;
-  ReduceOp op_;
-  int64_t bytes_;
-  int n_ = 1, r_ = 0;
   int rounds_ = 0;  // log2(n)
   int round_ = 0;   // rounds reduced so far
   bool finished_ = false;

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "cc/buffer.h"
-#include "cc/collective/op.h"
+#include "cc/collective/allreduce_op.h"
 
 namespace kungfu {
 
@@ -32,19 +32,14 @@ struct Range {
   int64_t size() const { return end - begin; }
 };
 
-class AllReduceHalving : public Op {
+class AllReduceHalving : public AllReduceOp {
  public:
   AllReduceHalving(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, std::string name,
                    DoneCallback done)
-      : Op(std::move(name), std::move(done)),
-        in_(static_cast<const char*>(in)), out_(static_cast<char*>(out)), count_(count), dtype_(dtype), op_(op),
-        esize_(static_cast<int64_t>(DTypeSize(dtype))) {}
-
-  const char* kind() const override { return "allreduce"; }
+      : AllReduceOp(Algo::kAllReduceHalving, in, out, count, dtype, op, std::move(name), std::move(done)) {}
 
   Status Start(OpContext* ctx) override {
-    n_ = ctx->size();
-    r_ = ctx->rank();
+    Place(ctx);
     while ((1 << levels_) < n_) ++levels_;
     if (n_ < 2 || (1 << levels_) != n_ || count_ < n_) {  // the engine picks it only for 4, 8, ... workers
       return Internal("halving-doubling needs a power-of-two cluster size and at least one element per worker");
@@ -97,8 +92,6 @@ class AllReduceHalving : public Op {
   }
 
  private:
-  FrameShape Shape() const { return {Algo::kAllReduceHalving, dtype_, count_, static_cast<uint32_t>(op_)}; }
-
   // Step t < L is reduce-scatter round t; step L + j is allgather round j, which undoes round L-1-j.
   int Round(int t) const { return t < levels_ ? t : 2 * levels_ - 1 - t; }
   int Partner(int t) const { return r_ ^ (n_ >> (Round(t) + 1)); }
@@ -155,13 +148,6 @@ class AllReduceHalving : public Op {
     ctx->Send(this, Partner(t), h, from + range.begin * esize_);
   }
 
-  const char* in_;
-  char* out_;
-  int64_t count_;
-  DType dtype_;
-  ReduceOp op_;
-  int64_t esize_;
-  int n_ = 1, r_ = 0;
   int levels_ = 0;  // log2(n)
   int step_ = 0;    // steps finished
   bool done_all_ = false;
