@@ -15,7 +15,6 @@
 #include <string>
 
 #include "absl/status/status.h"
-#include "cc/buffer.h"
 #include "cc/dtype.h"
 #include "cc/engine.h"
 #include "cc/status.h"

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "cc/buffer.h"
 #include "kf_ops/adapter.h"
 #include "kf_ops/fusion.h"
 #include "kf_ops/squares.h"
