@@ -19,7 +19,8 @@ WORKER = os.path.join(REPO, "tests", "training_worker.py")
 EQUIVALENCE = ["fit_equals_single_process", "custom_loop_equals_single_process", "strategy_switch_without_retrace",
                "gradient_buckets_are_in_flight_together", "indexed_slices_equal_densified",
                "fp16_compression_halves_the_bytes_and_keeps_the_mean", "metric_average_callback_agrees",
-               "resumed_fit_equals_single_process", "unequal_steps_fail_at_once"]
+               "resumed_fit_equals_single_process", "gradient_accumulation_exchanges_once_per_update",
+               "unequal_steps_fail_at_once"]
 DIGITS = ["sma_digits", "pair_averaging_digits"]
 
 

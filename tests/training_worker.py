@@ -331,6 +331,48 @@ def resumed_fit_equals_single_process():
 
 
 @check
+def gradient_accumulation_exchanges_once_per_update():
+    """gradient_accumulation_steps=2 (Horovod's backward_passes_per_step): S-SGD ends with the weights of
+    one process accumulating over the whole global batches, bit for bit the same on every worker, with
+    half the all-reduces of the same steps without accumulation; SMA, too, averages once per update."""
+    from kungfu import _lib
+
+    def accumulating():
+        return keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2)
+
+    def run(make_optimizer, wrap):
+        """STEPS steps of a custom loop on this worker's shard: the model and the collectives they took."""
+        x, y = local_data()
+        model, opt, loss = make_model(100), wrap(make_optimizer()), loss_fn()
+
+        @tf.function
+        def step(xb, yb):
+            with tf.GradientTape() as tape:
+                value = loss(yb, model(xb, training=True))
+            opt.apply_gradients(zip(tape.gradient(value, model.trainable_variables), model.trainable_variables))
+
+        kungfu.barrier()
+        before = _lib.engine_stats()["completed"]
+        for t in range(STEPS):
+            step(x[t * LOCAL_BATCH:(t + 1) * LOCAL_BATCH], y[t * LOCAL_BATCH:(t + 1) * LOCAL_BATCH])
+        return model, _lib.engine_stats()["completed"] - before
+
+    ssgd, sma = kungfu.optimizers.SynchronousSGDOptimizer, kungfu.optimizers.SynchronousAveragingOptimizer
+    model, accumulated = run(accumulating, ssgd)
+    assert_close(model.get_weights(), reference_weights(accumulating), "S-SGD with gradient accumulation")
+    if not bool(kungfu.consensus(np.concatenate([w.ravel() for w in model.get_weights()]))):
+        raise AssertionError("S-SGD with gradient accumulation: the workers' weights differ in their bits")
+    _, every_step = run(sgd, ssgd)
+    if every_step != STEPS or accumulated != STEPS // 2:
+        raise AssertionError(f"S-SGD took {accumulated} collectives with accumulation over 2 steps and "
+                             f"{every_step} without, in {STEPS} steps")
+    _, accumulated = run(accumulating, sma)
+    _, every_step = run(sgd, sma)
+    if not (accumulated > 0 and 2 * accumulated == every_step):
+        raise AssertionError(f"SMA took {accumulated} collectives with accumulation and {every_step} without")
+
+
+@check
 def unequal_steps_fail_at_once():
     """Rank 0 with one batch more than the others: every worker's fit raises ValueError naming the step
     counts before the first step (not DeadlineExceededError at the last one); pair averaging takes them."""

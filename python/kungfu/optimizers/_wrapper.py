@@ -158,10 +158,41 @@ class DistributedMixin:
                 self.built = True
         if len(grads) != len(variables):
             raise ValueError(f"apply: got {len(grads)} gradients for {len(variables)} variables")
+        steps = self.gradient_accumulation_steps
         with tf.name_scope("kungfu"):
-            grads = self._kungfu_exchange(grads, variables)
+            if steps and self._kungfu.monitors is None:
+                is_update = tf.equal((self._iterations + 1) % steps, 0)  # as the base class decides it
+                grads = self._kungfu_exchange_accumulated(grads, variables, is_update)
+            else:
+                is_update = None  # every step exchanges (with monitors: they measure each micro-batch)
+                grads = self._kungfu_exchange(grads, variables)
         super().apply(grads, variables)
-        self._kungfu_publish(variables)
+        self._kungfu_publish(variables, is_update)
+
+    def _kungfu_exchange_accumulated(self, grads, variables, is_update):
+        """Gradient accumulation (the base optimizer's gradient_accumulation_steps; Horovod's
+        backward_passes_per_step): the workers exchange once per update, not once per micro-step.
+        Between updates the base class adds each gradient to its accumulator acc; on the update step
+        it applies (g + acc) / steps. So on that step the exchange runs on this worker's g + acc and
+        empties the accumulators, and the base class applies its result / steps: S-SGD the mean over
+        the workers of their accumulated gradients, the same bits on every worker; SMA and pair
+        averaging average the model once per update."""
+        live = [i for i, g in enumerate(grads) if g is not None]
+        accs = [self._accumulated_gradients[self._get_variable_index(variables[i])] for i in live]
+        dense = [tf.convert_to_tensor(grads[i]) for i in live]  # the accumulators are dense anyway
+
+        def exchange():
+            totals = [g + tf.cast(a, g.dtype) for g, a in zip(dense, accs)]
+            new = self._kungfu_exchange(totals, [variables[i] for i in live])
+            for a in accs:  # after the reads above, before the base class reads them (program order)
+                a.assign(tf.zeros(a.shape, a.dtype))
+            return new
+
+        new = tf.cond(is_update, exchange, lambda: dense) if live else []
+        out = list(grads)
+        for i, g in zip(live, new):
+            out[i] = g
+        return out
 
     def _kungfu_exchange(self, grads, variables):
         """The strategy's work before the update; returns the gradients to apply."""
@@ -209,8 +240,10 @@ class DistributedMixin:
     def _kungfu_store_prefix(self):
         return f"kungfu/model/{self.name}"
 
-    def _kungfu_publish(self, variables):
+    def _kungfu_publish(self, variables, is_update=None):
         is_pair = tf.equal(self._kungfu.strategy, strategy_index("pair_averaging"))
+        if is_update is not None:  # with gradient accumulation, the model changes only on updates
+            is_pair = tf.logical_and(is_pair, is_update)
 
         def publish():
             _averaging.publish(variables, self._kungfu_store_prefix())
@@ -231,7 +264,8 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     gradient buckets (default 4 MiB; 0: one collective per gradient). sparse_as_dense: all-reduce
     IndexedSlices gradients as dense tensors instead of all-gathering them. compression: None or "fp16",
     which sends S-SGD's dense float32/float64 gradients as float16 (half the bytes; see
-    kungfu/ops/_compression.py).
+    kungfu/ops/_compression.py). An optimizer made with gradient_accumulation_steps=N (Keras's own
+    argument) exchanges once per update, every N steps, unless monitors are on (docs/training.md).
     monitor: None or a list from "gns", "variance", "snr", computed in S-SGD steps every
     monitor_interval steps; read them with kungfu.monitor.latest(). local_batch_size: this worker's
     batch size (an int, or a tf.Variable to follow; or .set_local_batch_size(n) later), needed by
