@@ -176,7 +176,9 @@ class DistributedMixin:
         it applies (g + acc) / steps. So on that step the exchange runs on this worker's g + acc and
         empties the accumulators, and the base class applies its result / steps: S-SGD the mean over
         the workers of their accumulated gradients, the same bits on every worker; SMA and pair
-        averaging average the model once per update."""
+        averaging average the model once per update. It reads Keras 3.15's own _iterations,
+        _accumulated_gradients and _get_variable_index; the gradient accumulation check of
+        tests/training_worker.py fails if a Keras upgrade changes them."""
         live = [i for i, g in enumerate(grads) if g is not None]
         accs = [self._accumulated_gradients[self._get_variable_index(variables[i])] for i in live]
         dense = [tf.convert_to_tensor(grads[i]) for i in live]  # the accumulators are dense anyway
