@@ -154,6 +154,22 @@ def test_output_lines_never_interleave(reaper):
         assert re.fullmatch(r"\[(\d)\] (\1){3000}", line), line[:80]
 
 
+def test_output_filename_copies_each_workers_output(reaper, tmp_path):
+    code = ("import os, sys\nr = os.environ['KUNGFU_RANK']\nprint('out', r, flush=True)\n"
+            "print('err', r, file=sys.stderr, flush=True)\nsys.exit(3 if r == '1' else 0)")
+    logs = tmp_path / "logs"
+    rc, out, err = run_kfrun(["-np", "2", "--output-filename", str(logs), "--", sys.executable, "-c", code], reaper)
+    assert rc == 3, err
+    assert sorted(out.splitlines()) == ["[0] out 0", "[1] out 1"]  # the console still gets every line
+    for r in range(2):
+        assert (logs / f"rank.{r}" / "stdout").read_text() == f"out {r}\n"
+        assert (logs / f"rank.{r}" / "stderr").read_text() == f"err {r}\n"
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    rc, out, err = run_kfrun(["-np", "1", "--output-filename", str(blocker / "logs"), "--", "true"], reaper)
+    assert rc == 2 and "--output-filename" in err and "cannot make" in err, err
+
+
 def test_first_failure_exit_code_propagates(reaper):
     # No `--`: parsing stops at the first non-flag, so the command keeps "0=exit0" and the like.
     rc, out, err = run_kfrun(["-np", "3", sys.executable, "-c", PID_WORKER, "0=exit0", "1=exit7", "2=exit0"], reaper)

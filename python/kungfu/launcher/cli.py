@@ -36,6 +36,7 @@ class Options:
     forward_env: dict  # extra variables for remote workers (-x)
     bind_to: str  # KUNGFU_BIND_TO: "none", or "core" (each worker its share of its machine's cores)
     command: list  # the worker command line
+    output_dir: str = None  # --output-filename: also copy worker r's output to DIR/rank.r/{stdout,stderr}
 
 
 def _define_flags():
@@ -53,6 +54,9 @@ def _define_flags():
     flags.DEFINE_enum(
         "bind-to", "none", ["none", "core"], "core: bind each worker to its share of its machine's cores "
         "(like mpirun --bind-to core); none: let them float.", flag_values=fv)
+    flags.DEFINE_string(
+        "output-filename", None, "DIR: also write each worker's output, unprefixed, to DIR/rank.N/stdout and "
+        "DIR/rank.N/stderr (as horovodrun does); the files are replaced.", flag_values=fv)
     flags.DEFINE_multi_string(
         "x", [], "NAME or NAME=VALUE: set this variable for remote workers too (local workers inherit "
         "kfrun's environment). Repeatable.", flag_values=fv)
@@ -126,4 +130,20 @@ def parse_args(argv):
         forward_env=_forward_env(fv.x),
         bind_to=fv["bind-to"].value,
         command=command,
+        output_dir=_output_dir(fv["output-filename"].value, fv.np),
     )
+
+
+def _output_dir(path, np):
+    """--output-filename: makes DIR/rank.N for every rank now, so that a bad path is a usage error
+    before any worker starts. Returns path (or None)."""
+    if path is None:
+        return None
+    if not path:
+        raise UsageError("--output-filename needs a directory")
+    try:
+        for rank in range(np):
+            os.makedirs(os.path.join(path, f"rank.{rank}"), exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--output-filename {path}: cannot make its rank.N directories: {e.strerror or e}") from None
+    return path

@@ -3,8 +3,10 @@
 One thread per pipe reads lines; every write of a line (to either stream) happens under one lock,
 so lines of different workers never interleave mid-line. A line longer than MAX_LINE is cut into
 pieces, each printed as its own prefixed line, so a worker cannot make kfrun buffer without bound.
+With kfrun --output-filename, each pump also copies its lines, unprefixed, to a file of its own.
 """
 
+import os
 import sys
 import threading
 
@@ -35,20 +37,36 @@ class LinePrinter:
         self.write_line(b"[kfrun] ", text.encode("utf-8", "replace"), to_stderr=True)
 
 
-def _pump(pipe, prefix, printer, to_stderr):
+def _pump(pipe, prefix, printer, to_stderr, copy=None):
     try:
         with pipe:
             for line in iter(lambda: pipe.readline(MAX_LINE), b""):
                 printer.write_line(prefix, line, to_stderr)
+                if copy is not None:
+                    try:
+                        copy.write(line)
+                        copy.flush()  # a worker's log is complete up to its last line, even if kfrun is killed
+                    except (OSError, ValueError) as e:
+                        printer.message(f"stopped copying to {copy.name}: {e}")
+                        copy = None
     except (OSError, ValueError):
         pass  # the pipe was closed under us during shutdown
+    finally:
+        if copy is not None:
+            copy.close()
 
 
-def start_pump(pipe, rank, printer, to_stderr):
-    """Starts a daemon thread copying pipe to the printer; returns it (join with a timeout)."""
+def copy_file(output_dir, rank, to_stderr):
+    """The file a pump copies worker rank's stdout or stderr to: output_dir/rank.N/stdout or stderr."""
+    return open(os.path.join(output_dir, f"rank.{rank}", "stderr" if to_stderr else "stdout"), "wb")
+
+
+def start_pump(pipe, rank, printer, to_stderr, copy=None):
+    """Starts a daemon thread copying pipe to the printer (and to the binary file copy, which it closes
+    at the end); returns it (join with a timeout)."""
     t = threading.Thread(
         target=_pump,
-        args=(pipe, f"[{rank}] ".encode(), printer, to_stderr),
+        args=(pipe, f"[{rank}] ".encode(), printer, to_stderr, copy),
         name=f"kfrun-pump-{rank}-{'err' if to_stderr else 'out'}",
         daemon=True,
     )

@@ -123,19 +123,41 @@ def _start_remote(spec, command, env, opts):
     return proc
 
 
+def _close(files):
+    for f in files:
+        if f is not None:
+            f.close()
+
+
+def _open_copies(opts, rank):
+    """With --output-filename, the files worker rank's stdout and stderr are copied to; else [None, None]."""
+    if opts.output_dir is None:
+        return [None, None]
+    opened = []
+    try:
+        for to_stderr in (False, True):
+            opened.append(output.copy_file(opts.output_dir, rank, to_stderr))
+    except OSError as e:
+        _close(opened)
+        raise LaunchError(f"cannot write worker {rank}'s output to {e.filename}: {e.strerror or e}", 1) from e
+    return opened
+
+
 def start(spec, command, env, opts, printer):
     """Starts one worker with its KUNGFU_* env and output pumps. Raises LaunchError if it cannot start."""
+    copies = _open_copies(opts, spec.rank)
     try:
         if spec.is_local:
             proc = _start_local(spec, command, env)
         else:
             proc = _start_remote(spec, command, env, opts)
     except OSError as e:
+        _close(copies)
         program = command[0] if spec.is_local else "ssh"
         code = 127 if isinstance(e, (FileNotFoundError, PermissionError)) else 1
         raise LaunchError(f"cannot start worker {spec.rank}: {program}: {e.strerror or e}", code) from e
     pumps = [
-        output.start_pump(proc.stdout, spec.rank, printer, to_stderr=False),
-        output.start_pump(proc.stderr, spec.rank, printer, to_stderr=True),
+        output.start_pump(proc.stdout, spec.rank, printer, to_stderr=False, copy=copies[0]),
+        output.start_pump(proc.stderr, spec.rank, printer, to_stderr=True, copy=copies[1]),
     ]
     return Worker(spec, proc, pumps)
