@@ -205,8 +205,10 @@ class SizeOneTest(tf.test.TestCase):
 
         x = tf.ones([2])
         f(x)  # traced while initialized
+        self.assertTrue(kungfu.is_initialized())
         kungfu.finalize()
         kungfu.finalize()  # a second call is harmless
+        self.assertFalse(kungfu.is_initialized())
         try:
             for call in [lambda: kungfu.all_reduce(x), lambda: kungfu.group_all_reduce([x]),
                          lambda: kungfu.broadcast(x), lambda: kungfu.all_gather(x), kungfu.barrier,
@@ -228,6 +230,7 @@ def test_import_is_lazy():
             "assert 'tensorflow' not in sys.modules, 'import kungfu imported tensorflow'\n"
             "assert kungfu._lib._library is None, 'import kungfu loaded the library'\n"
             "assert threading.active_count() == 1, threading.enumerate()\n"
+            "assert not kungfu.is_initialized()\n"
             "print('lazy')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

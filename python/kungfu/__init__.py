@@ -18,6 +18,7 @@ import os
 from . import errors
 from ._lib import finalize
 from ._lib import init
+from ._lib import initialized as is_initialized
 from ._lib import local_rank
 from ._lib import local_size
 from ._lib import rank
@@ -46,7 +47,7 @@ if not os.path.isdir(os.path.join(os.path.dirname(__file__), "policies")) and \
         os.path.isfile(os.path.join(_SOURCE_ROOT, "policies", "__init__.py")):
     __path__.append(_SOURCE_ROOT)
 
-__all__ = ["init", "finalize", "rank", "size", "local_rank", "local_size", "errors", *_LAZY]
+__all__ = ["init", "finalize", "is_initialized", "rank", "size", "local_rank", "local_size", "errors", *_LAZY]
 
 
 def __getattr__(name):

@@ -178,6 +178,7 @@ def _finalize_barrier():
 
 
 def initialized():
+    """Whether init() has run (and finalize() has not since): kungfu.is_initialized(), as in Horovod."""
     return _cluster is not None
 
 
