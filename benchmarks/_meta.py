@@ -62,6 +62,13 @@ def publish(text, out):
         print('written to ' + out)
 
 
+def flag_value(flag_values, quick, name):
+    """A flag's value; with --quick, the smoke-run default in quick (a dict) for a flag not given."""
+    if flag_values.quick and name in quick and not flag_values[name].present:
+        return quick[name]
+    return flag_values[name].value
+
+
 SECONDS_PER_STEP_BOUND = 0.5  # a generous bound on one 2-worker step on 2 loaded cores, for the deadlines
 
 

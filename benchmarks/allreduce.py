@@ -55,7 +55,7 @@ QUICK = dict(seconds=0.25, iters=30, min_iters=3, warmup=2, rounds=1)  # --quick
 
 
 def _flag(name):
-    return QUICK[name] if FLAGS.quick and not FLAGS[name].present else FLAGS[name].value
+    return _meta.flag_value(FLAGS, QUICK, name)
 
 
 def make_plan(sizes, out_dir):

@@ -47,7 +47,7 @@ QUICK = dict(steps=20, epochs=2, rounds=1)
 
 
 def _flag(name):
-    return QUICK[name] if FLAGS.quick and name in QUICK and not FLAGS[name].present else FLAGS[name].value
+    return _meta.flag_value(FLAGS, QUICK, name)
 
 
 def run_round(r, work_dir):

@@ -49,7 +49,7 @@ QUICK = dict(steps=10, epochs=2, rounds=1)  # --quick's values for flags not giv
 
 
 def _flag(name):
-    return QUICK[name] if FLAGS.quick and name in QUICK and not FLAGS[name].present else FLAGS[name].value
+    return _meta.flag_value(FLAGS, QUICK, name)
 
 
 def make_plan(out_dir):
