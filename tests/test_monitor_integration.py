@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import kungfu
-from conftest import REPO
+from conftest import REPO, model_and_data
 from kungfu import optimizers
 from kungfu.keras import callbacks
 from mp import assert_checks_passed, launch
@@ -27,13 +27,6 @@ MP_CHECKS = ["gns_matches_reference", "gns_matches_reference_with_a_sparse_gradi
 @pytest.fixture(autouse=True, scope="module")
 def cluster_of_one():
     kungfu.init()
-
-
-def model_and_data(seed=3):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
-    rng = np.random.RandomState(seed)
-    return model, rng.normal(size=(64, 5)).astype(np.float32), rng.normal(size=(64, 2)).astype(np.float32)
 
 
 @pytest.mark.parametrize("kwargs, words", [

@@ -12,6 +12,7 @@ import tensorflow as tf
 
 import kungfu
 import kungfu.keras
+from conftest import model_and_data
 from kungfu import optimizers
 from kungfu.keras import callbacks
 from kungfu.optimizers import _reduce
@@ -22,13 +23,6 @@ pytestmark = pytest.mark.usefixtures("kungfu_library")
 @pytest.fixture(autouse=True, scope="module")
 def cluster_of_one():
     kungfu.init()
-
-
-def model_and_data(seed=3):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
-    rng = np.random.RandomState(seed)
-    return model, rng.normal(size=(64, 5)).astype(np.float32), rng.normal(size=(64, 2)).astype(np.float32)
 
 
 def test_wrapper_is_the_base_optimizer_with_its_config():
