@@ -316,7 +316,8 @@ def story(rec):
     seen = ", ".join(f"{g:.0f} at {t:.1f} s" for t, g in gns[::max(1, len(gns) // 5)])
     made = f"made {len(rec['changes'])} change(s):" if rec["changes"] else "changed nothing."
     lines = [f"What the policy did in the adaptive run: it started at global batch {ev[0][5]} "
-             f"(LR {ev[0][6]:g}) and {made}"]
+             f"(LR {ev[0][6]:g}; it moves for a predicted gain of at least {FLAGS.min_gain:.0%}, "
+             f"--min_gain) and {made}"]
     for t, _, _, _, said in rec["changes"]:
         lines.append(f"- {t:.1f} s, {said}")
     lines.append(f"Its last decision: {rec['last']}.")
