@@ -48,17 +48,6 @@ def kungfu_library():
     return _lib.library_path()
 
 
-def model_and_data(seed=3):
-    """A small Keras regression model (5 -> 8 -> 2) and 64 rows of random data, the same for a seed."""
-    import keras
-    import numpy as np
-
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
-    rng = np.random.RandomState(seed)
-    return model, rng.normal(size=(64, 5)).astype(np.float32), rng.normal(size=(64, 2)).astype(np.float32)
-
-
 def pytest_collection_modifyitems(items):
     """tf.test.TestCase carries a method named test_session that is not a test; pytest would report
     it as skipped in every TestCase, so it is dropped from the collection."""

@@ -11,10 +11,11 @@ import pytest
 import tensorflow as tf
 
 import kungfu
-from conftest import REPO, model_and_data
+from conftest import REPO
 from kungfu import optimizers
 from kungfu.keras import callbacks
 from mp import assert_checks_passed, launch
+from small_model import model_and_data
 
 pytestmark = pytest.mark.usefixtures("kungfu_library")
 

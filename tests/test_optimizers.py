@@ -12,10 +12,10 @@ import tensorflow as tf
 
 import kungfu
 import kungfu.keras
-from conftest import model_and_data
 from kungfu import optimizers
 from kungfu.keras import callbacks
 from kungfu.optimizers import _reduce
+from small_model import model_and_data
 
 pytestmark = pytest.mark.usefixtures("kungfu_library")
 
