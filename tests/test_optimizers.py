@@ -248,3 +248,25 @@ def test_warmup_callback_refuses_a_schedule_and_an_unknown_epoch_length():
 def test_an_unknown_compression_is_refused(make):
     with pytest.raises(ValueError, match="compression must be one of none, fp16"):
         make()
+
+
+def test_loss_scale_optimizer_must_be_inside():
+    """Under mixed_float16, model.compile wraps a distributed optimizer in a LossScaleOptimizer, whose
+    overflow check would read each worker's own gradients: the first step says how to wrap instead.
+    The other way round trains."""
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model, x, y = model_and_data()
+        model.compile(optimizer=optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+        assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)  # Keras put it outside
+        with pytest.raises(ValueError, match=r"Wrap the other way round.*LossScaleOptimizer\(opt\)"):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        model, x, y = model_and_data()
+        opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)))
+        model.compile(optimizer=opt, loss="mse")
+        assert model.optimizer is opt  # already a LossScaleOptimizer: Keras adds none
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        assert int(opt.iterations) > 0
+    finally:
+        keras.mixed_precision.set_global_policy(policy)

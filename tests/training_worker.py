@@ -373,6 +373,32 @@ def gradient_accumulation_exchanges_once_per_update():
 
 
 @check
+def loss_scaling_skips_one_workers_overflow_everywhere():
+    """Under mixed_float16, with the LossScaleOptimizer inside the distributed one: a batch that overflows
+    on rank 1 only (inputs beyond float16's range) is skipped on every worker, because the overflow check
+    reads the averaged gradients; the workers end with the same steps, loss scale and weights."""
+    policy = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        x, y = local_data()
+        if kungfu.rank() == 1:
+            x = x.copy()
+            x[5 * LOCAL_BATCH:6 * LOCAL_BATCH] = 1e5
+        model = make_model(100)
+        opt = kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.LossScaleOptimizer(sgd()))
+        model.compile(optimizer=opt, loss=loss_fn())
+        model.fit(x, y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    finally:
+        keras.mixed_precision.set_global_policy(policy)
+    state = np.array([int(opt.iterations), float(opt.dynamic_scale)], np.float64)
+    if not bool(kungfu.consensus(state)) or not state[0] < STEPS:
+        raise AssertionError(f"steps applied and loss scale {state.tolist()} differ across workers, or no step "
+                             f"of {STEPS} was skipped")
+    if not bool(kungfu.consensus(np.concatenate([w.ravel() for w in model.get_weights()]))):
+        raise AssertionError("the workers' weights differ after a skipped step")
+
+
+@check
 def unequal_steps_fail_at_once():
     """Rank 0 with one batch more than the others: every worker's fit raises ValueError naming the step
     counts before the first step (not DeadlineExceededError at the last one); pair averaging takes them."""

@@ -32,6 +32,8 @@ the update and the monitors (kungfu/_policy/graph.py), so a step's monitors, dec
 all ops of its graph; their before_train hooks run once, in Python, when apply() is first traced.
 """
 
+import sys
+
 import tensorflow as tf
 
 from .. import _lib
@@ -122,6 +124,7 @@ class DistributedMixin:
 
     def apply(self, grads, trainable_variables=None):
         _lib.require_init(f"{type(self).__name__} (a kungfu distributed optimizer)")
+        _refuse_loss_scale_outside(self)
         policies = self._kungfu.policies
         if policies is None:
             return self._kungfu_apply(grads, trainable_variables)
@@ -252,6 +255,30 @@ class DistributedMixin:
             return tf.constant(True)
 
         tf.cond(is_pair, publish, lambda: tf.constant(False))
+
+
+def _refuse_loss_scale_outside(optimizer):
+    """Raises ValueError when a keras LossScaleOptimizer is applying `optimizer` as its inner optimizer
+    (model.compile puts one around it under the "mixed_float16" policy). Its overflow check reads each
+    worker's own gradients, so a step that overflows on one worker only would skip the exchange there
+    while the others wait for it until the deadline. Found among the calling frames: the check runs when
+    apply() is traced, or on each eager call, and costs a few frame reads."""
+    import keras
+
+    frame = sys._getframe(2)  # the caller of apply()
+    for _ in range(8):
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.optimizers.LossScaleOptimizer) and owner.inner_optimizer is optimizer:
+            raise ValueError(
+                f"{optimizer.name} runs inside a keras LossScaleOptimizer (model.compile adds one under the "
+                "'mixed_float16' policy), whose overflow check would see each worker's own gradients: a step "
+                "that overflows on one worker only would be skipped there and wait for it on the others. Wrap "
+                "the other way round, so that the check sees the averaged gradients: "
+                "kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.LossScaleOptimizer(opt)) "
+                "(docs/training.md, \"Mixed precision\")")
+        frame = frame.f_back
 
 
 def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=None, sparse_as_dense=False,
