@@ -163,5 +163,6 @@ def _nothing_found(what, ops, boundary, updated, trainable):
         hint = (f" The step calls {', '.join(calls[:5])}{' ...' if len(calls) > 5 else ''}: gradients and updates "
                 "inside tf.while_loop, tf.cond or a nested tf.function live in the function library, where "
                 "kungfu.rewrite does not look; compute and apply the gradients at the top level of the step "
-                "(Keras's LossScaleOptimizer and gradient_accumulation_steps apply them inside a tf.cond).")
+                "(Keras's LossScaleOptimizer and gradient_accumulation_steps apply them inside a tf.cond; "
+                "kungfu.optimizers.SynchronousSGDOptimizer supports both).")
     return f"{what}: {found}. {_FIX}.{hint}"
