@@ -12,8 +12,9 @@ tf.function and eagerly. Each worker computes that single-process reference itse
 cluster. Workers build their models from different seeds, so the fit check also shows that
 BroadcastGlobalVariablesCallback makes them start identical. Also: a strategy switch between steps
 without retracing, IndexedSlices against densified gradients, MetricAverageCallback, training
-resumed from a saved model by kungfu.keras.load_model, and a clear error at once when the workers'
-model.fit would take different numbers of steps.
+resumed from a saved model by kungfu.keras.load_model, gradient accumulation (one exchange per
+update), mixed precision with a loss-scale optimizer (an overflow on one worker skips the step on
+all), and a clear error at once when the workers' model.fit would take different numbers of steps.
 
 `digits`: SMA and pair averaging reach 90% test accuracy on scikit-learn's digits, and the workers'
 models end close to each other.

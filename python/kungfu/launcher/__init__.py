@@ -42,6 +42,7 @@ def run(argv):
             sys.stdout.write(cli.help_text())
             return 0
         specs = _plan(opts)
+        cli.make_output_dirs(opts)
     except UsageError as e:
         return _usage_error(e)
     token = secrets.token_hex(32)

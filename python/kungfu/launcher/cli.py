@@ -130,20 +130,24 @@ def parse_args(argv):
         forward_env=_forward_env(fv.x),
         bind_to=fv["bind-to"].value,
         command=command,
-        output_dir=_output_dir(fv["output-filename"].value, fv.np),
+        output_dir=_output_dir(fv["output-filename"].value),
     )
 
 
-def _output_dir(path, np):
-    """--output-filename: makes DIR/rank.N for every rank now, so that a bad path is a usage error
-    before any worker starts. Returns path (or None)."""
-    if path is None:
-        return None
-    if not path:
+def _output_dir(path):
+    if path is not None and not path:
         raise UsageError("--output-filename needs a directory")
-    try:
-        for rank in range(np):
-            os.makedirs(os.path.join(path, f"rank.{rank}"), exist_ok=True)
-    except OSError as e:
-        raise UsageError(f"--output-filename {path}: cannot make its rank.N directories: {e.strerror or e}") from None
     return path
+
+
+def make_output_dirs(opts):
+    """--output-filename: makes DIR/rank.N for every rank, once the rest of the command line has been
+    checked and before any worker starts, so that a path that cannot be made is a usage error."""
+    if opts.output_dir is None:
+        return
+    try:
+        for rank in range(opts.np):
+            os.makedirs(os.path.join(opts.output_dir, f"rank.{rank}"), exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--output-filename {opts.output_dir}: cannot make its rank.N directories: "
+                         f"{e.strerror or e}") from None

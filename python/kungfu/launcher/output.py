@@ -48,12 +48,20 @@ def _pump(pipe, prefix, printer, to_stderr, copy=None):
                         copy.flush()  # a worker's log is complete up to its last line, even if kfrun is killed
                     except (OSError, ValueError) as e:
                         printer.message(f"stopped copying to {copy.name}: {e}")
+                        _close_quietly(copy)
                         copy = None
     except (OSError, ValueError):
         pass  # the pipe was closed under us during shutdown
     finally:
         if copy is not None:
-            copy.close()
+            _close_quietly(copy)
+
+
+def _close_quietly(f):
+    try:
+        f.close()
+    except OSError:
+        pass  # the write that failed has been reported
 
 
 def copy_file(output_dir, rank, to_stderr):
