@@ -220,14 +220,47 @@ def test_signal_to_kfrun_stops_every_process(signum, reaper):
     (["-np", "1", "--hostfile", "/nonexistent/hosts", "--", "x"], "cannot read it"),
     (["-np", "1", "-H", "a:1", "--hostfile", "f", "--", "x"], "either -H or --hostfile"),
     (["-np", "1", "--port-range", "20-10", "--", "x"], "--port-range '20-10'"),
-    (["-np", "1", "--timeout", "0", "--", "x"], "--timeout must be positive"),
+    (["-np", "1", "--timeout", "0", "--", "x"], "--timeout must be between 0.001 and 1e+07 seconds"),
     (["-np", "two", "--", "x"], "--np=two"),
     (["-np", "1", "--bogus", "--", "x"], "bogus"),
     (["-np", "2", "-H", "127.0.0.1:1,nohost.invalid:1", "--", "x"], "loopback name"),
+    (["-np", "1", "-H", "[::1]:1", "--", "x"], "IPv6"),
+    (["-np", "1", "--timeout", "1e10", "--", "x"], "--timeout must be between"),
+    (["-np", "1", "--timeout", "0.0001", "--", "x"], "--timeout must be"),
+    (["-np", "1", "--grace", "nan", "--", "x"], "--grace must not be negative"),
+    (["-np", "1", "--kill-after", "inf", "--", "x"], "--kill-after must be positive"),
+    (["-np", "1", "-x", "KUNGFU_RANK=0", "--", "x"], "kfrun sets KUNGFU_RANK for each worker itself"),
+    (["-np", "1", "-x", "KUNGFU_TIMEOUT=5", "--", "x"], "use --timeout"),
 ])
 def test_bad_arguments(args, message, reaper):
     rc, out, err = run_kfrun(args, reaper)
     assert rc == 2 and message in err and "kfrun --help" in err, err
+
+
+def test_x_sets_the_variable_for_every_worker(reaper):
+    code = "import os; print(os.environ['FOO'], os.environ['KUNGFU_RING_THRESHOLD'])"
+    rc, out, err = run_kfrun(["-np", "2", "-x", "FOO=bar", "-x", "KUNGFU_RING_THRESHOLD=0", "--", sys.executable,
+                              "-c", code], reaper, {"FOO": "inherited"})
+    assert rc == 0, err
+    assert sorted(out.splitlines()) == ["[0] bar 0", "[1] bar 0"]
+
+
+def test_signals_are_forwarded_while_output_is_blocked(reaper):
+    """Nobody reads kfrun's output here, so its output threads block; SIGINT must still stop the job."""
+    pid_dir, _ = reaper
+    code = ("import os, signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "path = os.path.join(os.environ['PID_DIR'], 'w0')\nopen(path + '.tmp', 'w').write(str(os.getpid()))\n"
+            "os.rename(path + '.tmp', path)\nfor _ in range(2000): print('x' * 1000, flush=True)\ntime.sleep(120)")
+    proc = start_kfrun(["-np", "1", "--kill-after", "1", "--", sys.executable, "-c", code], reaper)
+    pid = _wait_for_files(pid_dir, ["w0"])["w0"]
+    time.sleep(1)  # the pipes fill: kfrun's pump now blocks writing to its stdout
+    proc.send_signal(signal.SIGINT)
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the worker outlived --kill-after while kfrun's output was blocked"
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 128 + signal.SIGINT and "got SIGINT" in err, err[-2000:]
 
 
 def test_command_not_found(reaper):
@@ -248,6 +281,12 @@ def test_parse_hostfile():
                          ("a:1\na slots=2", "listed twice"), ("# none\n", "no hosts listed"), ("a b c", "expected")]:
         with pytest.raises(hosts.UsageError, match=message):
             hosts.parse_hostfile_text(bad)
+
+
+def test_parse_hostfile_drops_a_byte_order_mark(tmp_path):
+    path = tmp_path / "hosts"
+    path.write_bytes("\ufeffnode1 slots=2\n".encode("utf-8"))
+    assert hosts.parse_hostfile(str(path)) == [hosts.HostSpec("node1", 2)]
 
 
 def test_parse_host_list():
@@ -369,18 +408,22 @@ def test_ssh_remote_worker_dies_when_stdin_closes(reaper):
     assert not [n for n, pid in pids.items() if _alive(pid)]
 
 
-def test_remote_workers_through_fake_ssh(tmp_path, reaper):
-    """kfrun's ssh path end to end, with an `ssh` that runs the command here as sshd would."""
-    pid_dir, _ = reaper
+def _fake_ssh_path(tmp_path):
+    """A PATH whose `ssh` runs the remote command here, as sshd would."""
     fake = tmp_path / "bin" / "ssh"
     fake.parent.mkdir()
     fake.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do case "$1" in -o) shift 2;; -*) shift;; *) break;; esac; done\n'
                     'shift\nexec sh -c "$*"\n')
     fake.chmod(0o755)
-    path = f"{fake.parent}:{os.environ['PATH']}"
+    return f"{fake.parent}:{os.environ['PATH']}"
+
+
+def test_remote_workers_through_fake_ssh(tmp_path, reaper):
+    """kfrun's ssh path end to end, with an `ssh` that runs the command here as sshd would."""
+    pid_dir, _ = reaper
     proc = start_kfrun(["-np", "3", "-H", "nohost-a.invalid:2,nohost-b.invalid:1", "-x", "PYTHONPATH", "-x",
                         f"PID_DIR={pid_dir}", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER],
-                       reaper, {"PATH": path})
+                       reaper, {"PATH": _fake_ssh_path(tmp_path)})
     pids = _wait_for_files(pid_dir, [f"{k}{r}" for k in "wc" for r in range(3)])
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=20)
@@ -388,3 +431,15 @@ def test_remote_workers_through_fake_ssh(tmp_path, reaper):
     assert sorted(out.splitlines()) == ["[0] ready", "[1] ready", "[2] ready"]
     time.sleep(0.2)
     assert not [n for n, pid in pids.items() if _alive(pid)], "remote processes left behind"
+
+
+def test_remote_worker_leaves_no_grandchild(tmp_path, reaper):
+    """A remote worker that exits leaves a child running in its (setsid) group: the remote script stops it."""
+    pid_dir, _ = reaper
+    rc, out, err = run_kfrun(["-np", "2", "-H", "nohost-a.invalid:1,nohost-b.invalid:1", "-x", "PYTHONPATH", "-x",
+                              f"PID_DIR={pid_dir}", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER,
+                              "0=exit0", "1=exit0"], reaper, {"PATH": _fake_ssh_path(tmp_path)})
+    assert rc == 0, err
+    pids = _wait_for_files(pid_dir, ["c0", "c1"])
+    time.sleep(0.2)
+    assert not [n for n, pid in pids.items() if _alive(pid)], "remote grandchildren left behind"

@@ -7,8 +7,10 @@ KUNGFU_TOKEN, KUNGFU_TIMEOUT and KUNGFU_CLUSTER_VERSION (read by kungfu._env.res
 See docs/launcher.md. This package imports nothing from the rest of kungfu (no TensorFlow).
 """
 
+import os
 import secrets
 import sys
+import threading
 
 from . import cli
 from . import hosts as hosts_lib
@@ -46,15 +48,23 @@ def run(argv):
     except UsageError as e:
         return _usage_error(e)
     token = secrets.token_hex(32)
-    envs = [plan.worker_env(s, specs, token, opts.timeout, bind_to=opts.bind_to) for s in specs]
+    environ = {**os.environ, **opts.forward_env}  # what the workers inherit, before their KUNGFU_* contract
+    envs = [plan.worker_env(s, specs, token, opts.timeout, environ, opts.bind_to) for s in specs]
     printer = output.LinePrinter()
     try:
         return Supervisor(specs, opts.command, envs, opts, printer).run()
     except LaunchError as e:
         printer.message(f"{e}; the workers already started were stopped")
         return e.exit_code
+    finally:
+        printer.close()
 
 
 def main(argv=None):
     """Console-script entry point (kfrun)."""
-    sys.exit(run(sys.argv if argv is None else argv))
+    code = run(sys.argv if argv is None else argv)
+    if any(t.name.startswith("kfrun-") and t.is_alive() for t in threading.enumerate()):
+        # An output thread is still blocked writing to a reader that stopped reading. Python's own
+        # shutdown would wait for that stream and then abort, so leave at once with the job's code.
+        os._exit(code)
+    sys.exit(code)

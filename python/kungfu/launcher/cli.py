@@ -6,6 +6,7 @@ the worker command, untouched (its own flags included).
 """
 
 import dataclasses
+import math
 import os
 
 from absl import flags
@@ -33,7 +34,7 @@ class Options:
     grace: float  # after a failure, how long the others may run on before SIGTERM
     kill_after: float  # from SIGTERM to SIGKILL
     port_range: tuple  # (first, last) engine port, inclusive
-    forward_env: dict  # extra variables for remote workers (-x)
+    forward_env: dict  # extra variables for every worker (-x); the KUNGFU_* contract is not among them
     bind_to: str  # KUNGFU_BIND_TO: "none", or "core" (each worker its share of its machine's cores)
     command: list  # the worker command line
     output_dir: str = None  # --output-filename: also copy worker r's output to DIR/rank.r/{stdout,stderr}
@@ -58,8 +59,8 @@ def _define_flags():
         "output-filename", None, "DIR: also write each worker's output, unprefixed, to DIR/rank.N/stdout and "
         "DIR/rank.N/stderr (as horovodrun does); the files are replaced.", flag_values=fv)
     flags.DEFINE_multi_string(
-        "x", [], "NAME or NAME=VALUE: set this variable for remote workers too (local workers inherit "
-        "kfrun's environment). Repeatable.", flag_values=fv)
+        "x", [], "NAME or NAME=VALUE: set this variable for every worker, remote ones included (they do not "
+        "inherit kfrun's environment; local ones do). Repeatable.", flag_values=fv)
     fv.set_gnu_getopt(False)  # stop at the first non-flag: the worker command keeps its own flags
     return fv
 
@@ -76,6 +77,9 @@ def _forward_env(specs):
             ssh.check_env_name(name)
         except ValueError as e:
             raise UsageError(f"-x {spec}: {e}") from None
+        if name in plan.WORKER_CONTRACT:
+            how = {"KUNGFU_TIMEOUT": "; use --timeout"}.get(name, "")
+            raise UsageError(f"-x {spec}: kfrun sets {name} for each worker itself{how}")
         if not sep:
             if name not in os.environ:
                 raise UsageError(f"-x {name}: {name} is not set in kfrun's environment; use -x {name}=VALUE")
@@ -94,9 +98,13 @@ def _hosts(fv, np):
     return [hosts_lib.HostSpec("127.0.0.1", np)]
 
 
-def _positive(name, value):
-    if not value > 0:
-        raise UsageError(f"--{name} must be positive, got {value:g}")
+def _seconds(name, value, low, high=1e7, low_open=True):
+    """A finite number of seconds in (low, high], or [low, high] when not low_open."""
+    if not math.isfinite(value) or value > high or (value <= low if low_open else value < low):
+        if low == 0:
+            bound = "be positive" if low_open else "not be negative"
+            raise UsageError(f"--{name} must {bound} and at most {high:g} seconds, got {value:g}")
+        raise UsageError(f"--{name} must be between {low:g} and {high:g} seconds, got {value:g}")
     return value
 
 
@@ -116,16 +124,15 @@ def parse_args(argv):
     command = rest[1:]
     if not command:
         raise UsageError("no worker command; put it after --, e.g. kfrun -np 2 -- python train.py")
-    timeout = _positive("timeout", fv.timeout)
-    grace = timeout + 10 if fv.grace is None else fv.grace
-    if grace < 0:
-        raise UsageError(f"--grace must not be negative, got {grace:g}")
+    # The engine accepts KUNGFU_TIMEOUT from 0.001 to 1e7 seconds (cc/engine.cc).
+    timeout = _seconds("timeout", fv.timeout, 0.001, low_open=False)
+    grace = _seconds("grace", timeout + 10 if fv.grace is None else fv.grace, 0, 1e7 + 10, low_open=False)
     return Options(
         np=fv.np,
         hosts=_hosts(fv, fv.np),
         timeout=timeout,
         grace=grace,
-        kill_after=_positive("kill-after", fv["kill-after"].value),
+        kill_after=_seconds("kill-after", fv["kill-after"].value, 0),
         port_range=plan.parse_port_range(fv["port-range"].value),
         forward_env=_forward_env(fv.x),
         bind_to=fv["bind-to"].value,

@@ -39,6 +39,9 @@ def _check_host_name(host, where):
 
 def _parse_entry(entry, where):
     """'host:N' or 'host' (1 slot)."""
+    if entry.startswith("[") or entry.count(":") > 1:
+        raise UsageError(f"{where}: '{entry}' looks like an IPv6 address; the engine speaks IPv4 only, so give "
+                         "a host name or an IPv4 address")
     host, sep, slots = entry.partition(":")
     if not sep:
         return HostSpec(_check_host_name(host, where), 1)
@@ -86,7 +89,7 @@ def parse_hostfile_text(text, name="hostfile"):
 
 def parse_hostfile(path):
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark some editors write is dropped
             text = f.read()
     except OSError as e:
         raise UsageError(f"--hostfile {path}: cannot read it: {e.strerror}") from None

@@ -7,6 +7,7 @@ With kfrun --output-filename, each pump also copies its lines, unprefixed, to a 
 """
 
 import os
+import queue
 import sys
 import threading
 
@@ -14,11 +15,16 @@ MAX_LINE = 1 << 16
 
 
 class LinePrinter:
+    """Writes worker lines (from the pumps, which may block while kfrun's reader is not reading: the
+    workers then block too, as under mpirun) and kfrun's own notes (queued; see message())."""
+
     def __init__(self, stdout=None, stderr=None):
         self._out = stdout if stdout is not None else sys.stdout.buffer
         self._err = stderr if stderr is not None else sys.stderr.buffer
-        # Reentrant: kfrun's signal handler prints from the main thread, which may hold it already.
-        self._lock = threading.RLock()
+        self._lock = threading.Lock()  # one line at a time, whoever writes it
+        self._notes = queue.SimpleQueue()  # its put() may be called from a signal handler
+        self._notes_writer = threading.Thread(target=self._write_notes, name="kfrun-notes", daemon=True)
+        self._notes_writer.start()
 
     def write_line(self, prefix, line, to_stderr=False):
         """prefix and line are bytes; a newline is added when the line lacks one."""
@@ -33,8 +39,20 @@ class LinePrinter:
                 pass  # our reader went away (e.g. `kfrun ... | head`); keep draining the worker
 
     def message(self, text):
-        """kfrun's own notes, on stderr."""
-        self.write_line(b"[kfrun] ", text.encode("utf-8", "replace"), to_stderr=True)
+        """kfrun's own note, on stderr. It never blocks: a thread of its own writes it, because kfrun's main
+        thread forwards signals and keeps the deadlines, and must not wait on a reader that has stopped
+        reading (a paused pager, a full pipe)."""
+        self._notes.put(text)
+
+    def _write_notes(self):
+        for text in iter(self._notes.get, None):
+            self.write_line(b"[kfrun] ", text.encode("utf-8", "replace"), to_stderr=True)
+
+    def close(self, timeout=2.0):
+        """Writes the notes still queued, waiting at most timeout seconds for the reader; True if it could."""
+        self._notes.put(None)
+        self._notes_writer.join(timeout)
+        return not self._notes_writer.is_alive()
 
 
 def _pump(pipe, prefix, printer, to_stderr, copy=None):

@@ -108,6 +108,11 @@ def plan_workers(hosts, np, port_range, local_check=hosts_lib.is_local, port_fre
 WORKER_DEFAULTS = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
 
+# The variables worker_env sets per worker: the contract kungfu._env.resolve_cluster reads.
+WORKER_CONTRACT = ("KUNGFU_PEERS", "KUNGFU_RANK", "KUNGFU_SIZE", "KUNGFU_LOCAL_RANK", "KUNGFU_LOCAL_SIZE",
+                   "KUNGFU_TOKEN", "KUNGFU_TIMEOUT", "KUNGFU_CLUSTER_VERSION")
+
+
 def worker_env(spec, workers, token, timeout, environ=None, bind_to="none"):
     """The variables of one worker: the KUNGFU_* contract read by kungfu._env.resolve_cluster, plus
     WORKER_DEFAULTS not already set in environ (default: os.environ), plus KUNGFU_BIND_TO unless bind_to

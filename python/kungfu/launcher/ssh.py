@@ -10,7 +10,8 @@ two things that plain form cannot:
      closes it), the watcher sends SIGTERM to the worker's process group, then SIGKILL after a few
      seconds. Without a tty, killing ssh alone would leave the remote worker running.
 The worker runs under setsid (when the remote has it) so its whole process group can be signalled.
-The worker's exit status becomes ssh's (ssh itself fails with 255).
+Once the worker exits, whatever it left running in that group gets SIGTERM, then SIGKILL, as kfrun
+does for local workers. The worker's exit status becomes ssh's (ssh itself fails with 255).
 """
 
 import re
@@ -34,6 +35,11 @@ exec 3<&-
 wait $pid
 rc=$?
 kill $watcher 2>/dev/null
+if kill -TERM -$pid 2>/dev/null; then
+  i=0
+  while [ $i -lt {kill_after} ] && kill -0 -$pid 2>/dev/null; do sleep 1; i=$((i+1)); done
+  kill -KILL -$pid 2>/dev/null
+fi
 exit $rc
 """
 

@@ -69,12 +69,12 @@ class Supervisor:
             return
         self._signal = signum
         self._kill_at = now + self._opts.kill_after
-        self._printer.message(
-            f"got {name}; forwarding it to every worker (SIGKILL in {self._opts.kill_after:g}s; "
-            "signal again to kill now)"
-        )
         for w in self._workers:
             w.signal(signum)
+        self._printer.message(
+            f"got {name}; forwarded it to every worker (SIGKILL in {self._opts.kill_after:g}s; "
+            "signal again to kill now)"
+        )
 
     def _start_all(self):
         for spec, env in zip(self._specs, self._envs):

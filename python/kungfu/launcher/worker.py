@@ -97,10 +97,10 @@ def live_process_groups():
     return groups
 
 
-def _start_local(spec, command, env):
+def _start_local(spec, command, env, opts):
     return subprocess.Popen(
         command,
-        env={**os.environ, **env},
+        env={**os.environ, **opts.forward_env, **env},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -109,8 +109,7 @@ def _start_local(spec, command, env):
 
 
 def _start_remote(spec, command, env, opts):
-    remote_env = {k: v for k, v in env.items() if k != "KUNGFU_TOKEN"}
-    remote_env.update(opts.forward_env)
+    remote_env = {**opts.forward_env, **{k: v for k, v in env.items() if k != "KUNGFU_TOKEN"}}
     argv = ssh.ssh_command(spec.host, os.getcwd(), remote_env, command, opts.timeout, opts.kill_after)
     proc = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
@@ -148,7 +147,7 @@ def start(spec, command, env, opts, printer):
     copies = _open_copies(opts, spec.rank)
     try:
         if spec.is_local:
-            proc = _start_local(spec, command, env)
+            proc = _start_local(spec, command, env, opts)
         else:
             proc = _start_remote(spec, command, env, opts)
     except OSError as e:
