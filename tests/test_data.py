@@ -224,3 +224,14 @@ def test_batches_left_counts_what_next_batch_takes():
                     left -= _plan.next_batch(left, b, size)
                     steps += 1
                 assert _plan.batches_left(n, b, size) == steps, (n, b, size)
+
+
+def test_fingerprint_of_object_arrays_is_their_values():
+    """Workers compare fingerprints of their data: an object array's must not depend on where its items live."""
+    from kungfu.data import _dataset
+
+    def texts(suffix=""):
+        return np.array([[f"s{i}{suffix}", f"t{i}"] for i in range(10)], dtype=object)
+
+    assert _dataset._fingerprint([texts()]) == _dataset._fingerprint([texts()])
+    assert _dataset._fingerprint([texts()]) != _dataset._fingerprint([texts("x")])
