@@ -16,6 +16,7 @@ Step hooks and the interval. before_step(ctx) sees ctx.step = the steps complete
 after_step(ctx) sees ctx.step = the steps completed including this one (1 after the first step).
 A policy with interval k has its step hooks called only when ctx.step % k == 0, so a policy that
 decides every 10 steps costs nothing on the other 9 (no synchronisation between workers either).
+A policy can narrow that further with due() (a schedule is called only at its entries' steps).
 
 Compiled policies. A policy whose `compilable` is True can also run inside the training step's graph
 (kungfu.rewrite(fn, policies=[...])): its after_step is traced once with a graph context whose
@@ -45,7 +46,8 @@ class BasePolicy:
         """At the start of every epoch (ctx.epoch is the epoch starting, from 0)."""
 
     def before_step(self, ctx):
-        """Before a step (when ctx.step % interval == 0); changes apply to this step."""
+        """Before a step (when ctx.step % interval == 0); changes apply to this step, except a batch size
+        in a loop that has already pulled this step's batch (PolicyRunner's usual loop): the next one."""
 
     def after_step(self, ctx):
         """After a step (when ctx.step % interval == 0); changes apply from the next step."""
@@ -59,6 +61,17 @@ class BasePolicy:
     def overrides(self, hook):
         """Whether this policy's class defines hook itself (the runners skip hooks nobody overrides)."""
         return getattr(type(self), hook) is not getattr(BasePolicy, hook)
+
+    def due(self, hook, step):
+        """Whether the runners call hook at this step (ctx.step as the hook would see it). By default: when
+        the class overrides the hook and, for the step hooks, step % interval == 0. Every call costs the
+        workers two small collectives, so a policy may narrow this to skip calls that could change nothing
+        (a schedule between its entries). The answer must depend only on hook, step and the policy's
+        settings, never on what the policy has seen, so that every worker gives the same one. Compiled into
+        the step, a policy runs every interval steps whatever this says."""
+        if not self.overrides(hook):
+            return False
+        return hook not in STEP_HOOKS or step % self.interval == 0
 
     def __repr__(self):
         return f"{self.name}()"
@@ -88,7 +101,5 @@ def check_policies(policies, who):
 
 
 def due(policy, hook, step):
-    """Whether a runner calls policy's hook at this step (step hooks honour the interval)."""
-    if not policy.overrides(hook):
-        return False
-    return hook not in STEP_HOOKS or step % policy.interval == 0
+    """Whether a runner calls policy's hook at this step: policy.due(hook, step)."""
+    return bool(policy.due(hook, step))

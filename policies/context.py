@@ -1,6 +1,7 @@
 """Context: what a policy reads and how it acts. Plain Python; the runners fill one in per hook call.
 
-    ctx = Context(step=40, batch_size=128, cluster_size=4, learning_rate=0.1, metrics={"gns": 900.0})
+    policy = kungfu.policies.gns_batch_size(64, 1024, lr_rule="linear")
+    ctx = Context(step=200, batch_size=128, cluster_size=4, learning_rate=0.1, metrics={"gns": 900.0})
     policy.after_step(ctx)
     ctx.changes          # {"batch_size": 256, "learning_rate": 0.2}: what the policy decided
 

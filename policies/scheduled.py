@@ -11,8 +11,10 @@ The spec maps a key to the settings that take effect there; a setting not named 
 by="step": key k means "after k completed steps", so entry k governs the step that before_step sees
 as ctx.step == k (0-based), the (k+1)-th step, and on. It is applied in after_step when ctx.step == k,
 the after_step of the k-th step (changes made in after_step take effect from the next step). Entry 0
-comes before any step, so it is applied in before_train. The policy's interval is the greatest common
-divisor of the nonzero keys, so it is called only at steps where an entry may apply. Step entries are
+comes before any step, so it is applied in before_train (of the first run only: a runner that goes on
+counting steps, such as a PolicyCallback given to a second model.fit, does not apply it again). The
+policy's interval is the greatest common divisor of the nonzero keys, and as a Python hook it is called
+only at its keys' steps (due()), so it costs nothing in between. Step entries are
 branch-free (one `when=` per entry), so this form compiles into the training step; entry 0 is still
 applied by before_train, a Python hook.
 
@@ -78,6 +80,8 @@ def parse_spec(text):
             name, eq, value = item.partition("=")
             if not eq:
                 raise ValueError(f"scheduled: entry {key}: cannot read {item!r}; write name=value")
+            if name in entry:
+                raise ValueError(f"scheduled: entry {key}: {name} is given twice")
             entry[name] = value if name == "strategy" else _number(value, key, name)
         spec[key] = entry
     return spec
@@ -119,8 +123,16 @@ class ScheduledPolicy(BasePolicy):
         nonzero = [k for k in self.spec if k > 0]
         self.interval = _gcd(nonzero) if by == "step" and nonzero else 1
 
+    def due(self, hook, step):
+        # Called only where an entry applies: every other call would cost two collectives for nothing.
+        if hook == "before_train":
+            return self.by == "step" and 0 in self.spec and step == 0
+        if hook == "after_step":
+            return self.by == "step" and step > 0 and step in self.spec
+        return hook == "before_epoch" and self.by == "epoch"
+
     def before_train(self, ctx):
-        if self.by == "step" and 0 in self.spec:
+        if self.by == "step" and 0 in self.spec and ctx.step == 0:  # not again when a later fit goes on
             _apply(ctx, self.spec[0], True)
 
     def after_step(self, ctx):

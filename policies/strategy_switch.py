@@ -52,6 +52,13 @@ class StrategySwitchPolicy(BasePolicy):
         self.warmup_steps = rd.check_number(who, "warmup_steps", warmup_steps, low=0, integer=True)
         self.interval = rd.check_number(who, "interval", interval, low=1, integer=True)
 
+    def due(self, hook, step):
+        if hook != "after_step" or step % self.interval:
+            return False
+        if self.gns_above is None and self.snr_below is None:  # only at_step: one call can switch
+            return step == -(-self.at_step // self.interval) * self.interval
+        return True
+
     def after_step(self, ctx):
         m = ctx.math
         triggers = []

@@ -147,6 +147,42 @@ def test_policy_callback_changes_the_learning_rate_and_stops_fit():
     assert cb.runner.step == 7 and cb.runner.stopped
 
 
+def test_policy_callback_refuses_several_steps_per_execution():
+    model, x, y = model_and_data()
+    model.compile(optimizer=optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1)), loss="mse",
+                  steps_per_execution=4)
+    with pytest.raises(ValueError, match="steps_per_execution=1"):
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0,
+                  callbacks=[kungfu.keras.PolicyCallback([HalveLrOnce(at=3, interval=1)])])
+
+
+def test_idle_policies_cost_no_exchange(monkeypatch):
+    """A runner exchanges decisions only for the hooks due: a schedule at its entries, a step switch once."""
+    from kungfu._policy import agree
+
+    calls = []
+    exchange = agree.exchange
+    monkeypatch.setattr(agree, "exchange", lambda outcome, key: calls.append(key) or exchange(outcome, key))
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1))
+    policies = [kungfu.policies.scheduled({0: {"learning_rate": 0.2}, 4: {"learning_rate": 0.05}}),
+                kungfu.policies.scheduled({1: {"learning_rate": 0.3}}, by="epoch"),
+                kungfu.policies.strategy_switch("sma", at_step=6)]
+    runner = kungfu.PolicyRunner(policies, optimizer=opt)
+    runner.before_train()
+    for epoch in range(2):
+        runner.before_epoch()
+        for _ in range(5):
+            runner.before_step()
+            runner.after_step()
+        runner.after_epoch()
+    runner.after_train()
+    assert [c.rsplit("/", 2)[-2] for c in calls] == ["before_train", "before_epoch", "after_step", "before_epoch",
+                                                    "after_step"]
+    assert [h[:3] for h in runner.history] == [(0, 0, "before_train"), (4, 0, "after_step"), (5, 1, "before_epoch"),
+                                               (6, 1, "after_step")]
+    assert (opt.strategy, float(opt.learning_rate.numpy())) == ("sma", pytest.approx(0.3))
+
+
 def test_strategy_changes_on_a_distributed_optimizer_and_is_refused_on_a_plain_one():
     class ToSma(BasePolicy):
         def after_step(self, ctx):
@@ -245,6 +281,18 @@ def test_a_compiled_schedule_applies_its_entry_0_before_the_first_step():
                           optimizer=opt)
     used = [float(step(x, y)) for _ in range(3)]
     assert used == [0.5, 0.5, 0.25] and len(lrs) == 1
+
+    # A batch size in entry 0 governs the first batch the loop pulls, which comes before the step's first call.
+    ds = kungfu.data.AdaptiveDataset((np.tile(x, (4, 1)), np.tile(y, (4, 1))), global_batch_size=8)
+    step = kungfu.rewrite(train_step, policies=[kp.scheduled({0: {"batch_size": 16}, 2: {"batch_size": 32}})],
+                          optimizer=opt, dataset=ds)
+    sizes = []
+    for bx, by in ds.as_dataset():
+        sizes.append(len(bx))
+        step(bx, by)
+        if len(sizes) == 3:
+            break
+    assert sizes == [16, 16, 32]
 
 
 def test_policies_compiled_into_the_optimizer_switch_strategy_and_rate_in_fit():

@@ -23,6 +23,21 @@ def test_step_entries_apply_after_that_many_completed_steps():
     assert final == {"batch_size": 256, "learning_rate": 0.1, "strategy": "ssgd"}
 
 
+def test_called_only_where_an_entry_applies():
+    """Every call of a Python hook costs the workers two collectives: a schedule is due at its keys only."""
+    p = scheduled(SPEC)
+    assert [s for s in range(1, 3000) if p.due("after_step", s)] == [500, 2000]
+    assert p.due("before_train", 0) and not p.due("before_epoch", 0) and not p.due("before_step", 500)
+    later = Context(step=700, batch_size=256, learning_rate=0.1)
+    assert not p.due("before_train", 700)  # a runner that goes on counting (a second fit)
+    p.before_train(later)
+    assert later.changes == {}  # does not go back to entry 0
+    by_epoch = scheduled({0: {"learning_rate": 0.1}, 3: {"learning_rate": 0.01}}, by="epoch")
+    assert by_epoch.due("before_epoch", 40) and not by_epoch.due("after_step", 3)
+    assert not by_epoch.due("before_train", 0)
+    assert not scheduled({5: {"batch_size": 8}}).due("before_train", 0)
+
+
 def test_keys_that_share_no_divisor_run_every_step():
     p = scheduled({3: {"learning_rate": 0.3}, 5: {"learning_rate": 0.5, "batch_size": 8}})
     assert p.interval == 1
@@ -68,6 +83,7 @@ def test_string_spec_reads_like_the_dict():
     ("10: batch_size", ValueError, "entry 10: cannot read 'batch_size'; write name=value"),
     ("10: learning_rate=fast", ValueError, "learning_rate='fast' is not a number"),
     ("10: batch_size=8; 10: strategy=sma", ValueError, "key 10 appears twice"),
+    ("10: batch_size=8 batch_size=16", ValueError, "entry 10: batch_size is given twice"),
 ])
 def test_spec_validation_names_the_fix(spec, error, match):
     with pytest.raises(error, match=match):

@@ -20,6 +20,14 @@ def test_switches_at_the_step_once():
     assert log == {30: {"strategy": "ssgd"}}
 
 
+def test_a_step_switch_is_called_once_a_threshold_switch_every_interval():
+    p = strategy_switch("ssgd", at_step=25, interval=10)
+    assert [s for s in range(200) if p.due("after_step", s)] == [30]
+    q = strategy_switch("ssgd", at_step=25, gns_above=100, interval=10)
+    assert [s for s in range(1, 60) if q.due("after_step", s)] == [10, 20, 30, 40, 50]
+    assert not q.due("before_step", 10)
+
+
 def test_switches_on_the_noise_scale_once_and_does_not_switch_back():
     gns = {10: None, 20: 0.0, 30: 900.0, 40: 1500.0, 50: 100.0, 60: 2000.0}
     p = strategy_switch("ssgd", gns_above=1000, interval=10)

@@ -15,9 +15,10 @@
             break
     runner.after_train()
 
-kungfu.keras.PolicyCallback drives the same runner from model.fit's callbacks.
+kungfu.keras.PolicyCallback drives the same runner from model.fit's callbacks. In this loop the batch is
+pulled before before_step(), so a batch size a policy sets there applies from the next batch.
 
-Each hook call: the policies due (base.due: overridden hook, step hooks every `interval` steps) run in
+Each hook call: the policies due (BasePolicy.due: overridden hook, step hooks every `interval` steps) run in
 order on one Context (policies/context.py), whose readings come from the Controls and whose metrics are
 the monitors' latest values plus the logs passed in, local ones averaged over the workers; then the
 workers exchange their outcomes and apply rank 0's decisions to the controls (agree.py), or all raise

@@ -49,7 +49,9 @@ def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, compression=None, monitor
     after the step's update, each one's after_step runs as ops under a tf.cond every policy.interval
     calls, reading the monitors and assigning the controls: the learning rate of optimizer=, the batch
     size of dataset= (a kungfu.data.AdaptiveDataset); batch_size= is the global batch size to read when
-    there is no dataset. Step.policy_stopped tells whether a policy asked to stop. See docs/policies.md.
+    there is no dataset. The policies' before_train hooks (a schedule's entry 0) run here, as Python
+    hooks, if kungfu.init() has run (else at the step's first call, after the loop has pulled its first
+    batch). Step.policy_stopped tells whether a policy asked to stop. See docs/policies.md.
 
     The returned callable takes fn's arguments. Each new input signature is rewritten once, at its first
     call (which needs kungfu.init()); a step whose gradients cannot be matched one to one with the
@@ -85,6 +87,8 @@ def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, compression=None, monitor
         controls = Controls("kungfu.rewrite", optimizer=optimizer, dataset=dataset, monitors=step_monitors,
                             batch_size=batch_size)
         compiled = CompiledPolicies(policies, controls, name)
+        if _lib.initialized():
+            compiled.start()  # before_train hooks now, before the loop pulls its first batch
     elif optimizer is not None or dataset is not None or batch_size is not None:
         raise ValueError("kungfu.rewrite: optimizer=, dataset= and batch_size= are for policies=[...]")
     return Rewritten(fn, passes, options, compiled)

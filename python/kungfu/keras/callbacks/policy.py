@@ -21,6 +21,7 @@ class PolicyCallback(keras.callbacks.Callback):
     averaged over the workers. A policy's ctx.stop() stops model.fit after that step (or epoch).
     .runner is the kungfu.PolicyRunner doing the work (its .history and summary() tell what changed).
     Batch-end hooks are overridden, so Keras dispatches steps synchronously (the callback needs the logs).
+    The model must be compiled with steps_per_execution=1 (the default); fit raises ValueError otherwise.
     """
 
     def __init__(self, policies, dataset=None, optimizer=None, monitors=None, batch_size=None):
@@ -45,6 +46,10 @@ class PolicyCallback(keras.callbacks.Callback):
             self.model.stop_training = True
 
     def on_train_begin(self, logs=None):
+        if getattr(self.model, "steps_per_execution", 1) != 1:
+            raise ValueError("kungfu.keras.PolicyCallback: compile the model with steps_per_execution=1: with "
+                             "more, fit calls back only once per group of steps, so the policies would "
+                             "count steps wrong and could act only between groups")
         self._runner().before_train(logs)
         self._stop_if_asked()
 
