@@ -14,6 +14,7 @@
 #include "cc/engine_impl.h"
 #include "cc/log.h"
 #include "cc/sha256.h"
+#include "cc/wire.h"
 
 namespace kungfu {
 
@@ -113,7 +114,7 @@ void Engine::Impl::AddConnection(Fd fd, int peer, bool outgoing) {
     loop_.Remove(slot->fd());
     retired_.push_back(std::move(slot));
   }
-  slot = std::make_unique<Connection>(std::move(fd), peer, this);
+  slot = std::make_unique<Connection>(std::move(fd), peer, this, static_cast<uint64_t>(config_.read_budget_bytes));
   Connection* c = slot.get();
   loop_.Add(c->fd(), EPOLLIN, [this, c](uint32_t events) {
     if (events & EPOLLOUT) c->Flush(&sent_);
@@ -204,8 +205,34 @@ EngineStats Engine::stats() const { return impl_->stats(); }
 void Engine::ResetStats() { impl_->ResetStats(); }
 std::vector<NamedCollectiveStats> Engine::collective_stats(bool reset) { return impl_->CollectiveStats(reset); }
 
+namespace {
+// The limits every peer enforces on each frame it reads (cc/wire.cc), checked before anything is sent:
+// a bad argument then fails this call alone, instead of a peer refusing the frame and dropping the
+// connection, which would fail every later collective with this worker.
+Status CheckCollective(const char* kind, const std::string& name, DType dtype, const std::vector<int64_t>& counts) {
+  std::string why;
+  if (name.empty() || name.size() > kMaxNameBytes) {
+    why = "the name must be 1 to " + std::to_string(kMaxNameBytes) + " bytes long, not " + std::to_string(name.size());
+  } else if (!IsValidDType(static_cast<uint8_t>(dtype))) {
+    why = "unknown dtype " + std::to_string(static_cast<int>(dtype));
+  }
+  for (int64_t c : counts) {
+    if (why.empty() && (c < 0 || c > kMaxElements)) {
+      why = "the element count " + std::to_string(c) + " is out of range [0, 2^40]";
+    }
+  }
+  if (why.empty()) return Status::OK();
+  return InvalidArgument(std::string(kind) + (name.size() <= 200 ? " '" + name + "'" : "") + ": " + why);
+}
+}  // namespace
+
 void Engine::AllReduce(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name,
                        DoneCallback done, uint32_t shape_sig) {
+  Status bad = CheckCollective("allreduce", name, dtype, {count});
+  if (bad.ok() && !IsValidReduceOp(static_cast<uint8_t>(op))) {
+    bad = InvalidArgument("allreduce '" + name + "': unknown reduce op " + std::to_string(static_cast<int>(op)));
+  }
+  if (!bad.ok()) return done(bad);
   const int64_t bytes = count * static_cast<int64_t>(DTypeSize(dtype));
   const int n = size();
   // With two workers recursive doubling is one swap, moving the same bytes as the ring in one step
@@ -228,6 +255,8 @@ void Engine::AllReduce(const void* in, void* out, int64_t count, DType dtype, Re
 
 void Engine::Broadcast(void* buf, int64_t count, DType dtype, int root, const std::string& name, DoneCallback done,
                        uint32_t shape_sig) {
+  Status bad = CheckCollective("broadcast", name, dtype, {count});
+  if (!bad.ok()) return done(bad);
   const int64_t bytes = count * static_cast<int64_t>(DTypeSize(dtype));
   const bool chain = size() > 2 && bytes >= impl_->config().ring_threshold_bytes;
   auto o = NewBroadcast(buf, count, dtype, root, chain, name, std::move(done));
@@ -237,15 +266,21 @@ void Engine::Broadcast(void* buf, int64_t count, DType dtype, int root, const st
 
 void Engine::AllGather(const void* in, void* out, const std::vector<int64_t>& counts, DType dtype,
                        const std::string& name, DoneCallback done) {
+  Status bad = CheckCollective("allgather", name, dtype, counts);
+  if (!bad.ok()) return done(bad);
   impl_->Submit(NewAllGather(in, out, counts, dtype, name, std::move(done)));
 }
 
 void Engine::Barrier(const std::string& name, DoneCallback done) {
+  Status bad = CheckCollective("barrier", name, DType::kUInt8, {});
+  if (!bad.ok()) return done(bad);
   impl_->Submit(
       NewAllReduceStar(nullptr, nullptr, 0, DType::kUInt8, ReduceOp::kMax, name, std::move(done), "barrier"));
 }
 
 void Engine::Consensus(const void* data, int64_t nbytes, bool* same, const std::string& name, DoneCallback done) {
+  Status bad = CheckCollective("consensus", name, DType::kUInt8, {nbytes});
+  if (!bad.ok()) return done(bad);
   // Compare a digest of fixed size, so inputs of different lengths compare (unequal) instead of
   // failing. One MAX allreduce over [d, ~d] yields max(d) and ~min(d): all equal iff max == min.
   constexpr int kLen = 40;

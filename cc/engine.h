@@ -41,6 +41,7 @@ struct EngineConfig {
   bool halving = true;  // 4, 8, ... workers: halving-doubling for ring sizes up to 2 pieces (KUNGFU_HALVING)
   int64_t max_pending_bytes = int64_t{1} << 30;  // bound on data buffered for collectives not started
   int spin_us = 200;                  // the loop polls this long after activity before sleeping (KUNGFU_SPIN_US)
+  int64_t read_budget_bytes = 4 << 20;  // most read from one peer per wake-up, so no peer starves the others
 };
 
 // Counters for tests and benchmarks; read with Engine::stats().

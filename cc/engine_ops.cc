@@ -33,24 +33,29 @@ void Engine::Impl::StartOp(std::unique_ptr<Op> op) {
   Op* raw = op.get();
   ops_[key] = ActiveOp{std::move(op), DeadlineAfter(config_.timeout_seconds)};
   op_keys_[id] = key;
-  if (size() > 1 && !first_dead_.ok()) return Fail(id, first_dead_, false);
-  Status s = raw->Start(this);
-  if (!s.ok()) return Fail(id, s, s.code() == Code::kInvalidArgument);
-  // Deliver what arrived before this worker started the collective, in arrival order.
+  // What arrived before this worker started the collective is this op's now, whether it starts or
+  // fails (later frames for the key are dropped as late: next_gen_ has moved past it).
+  std::vector<PendingFrame> frames;
   auto pit = pending_.find(key);
   if (pit != pending_.end()) {
-    std::vector<PendingFrame> frames = std::move(pit->second);
+    frames = std::move(pit->second);
     pending_.erase(pit);
     for (auto& f : frames) {
       if (f.src != kPoisonSource) pending_bytes_ -= static_cast<int64_t>(f.h.payload_bytes);
-      auto it = ops_.find(key);
-      if (it == ops_.end()) continue;  // failed by an earlier frame: drop the rest
-      if (f.src == kPoisonSource) {
-        Fail(id, ResourceExhausted(std::string(f.data.get())), true);
-        continue;
-      }
-      Dispatch(it->second, f.src, f.h, f.data.get());
     }
+  }
+  if (size() > 1 && !first_dead_.ok()) return Fail(id, first_dead_, false);
+  Status s = raw->Start(this);
+  if (!s.ok()) return Fail(id, s, s.code() == Code::kInvalidArgument);
+  // Deliver them in arrival order.
+  for (auto& f : frames) {
+    auto it = ops_.find(key);
+    if (it == ops_.end()) break;  // failed by an earlier frame: drop the rest
+    if (f.src == kPoisonSource) {
+      Fail(id, ResourceExhausted(std::string(f.data.get())), true);
+      break;
+    }
+    Dispatch(it->second, f.src, f.h, f.data.get());
   }
   MaybeFinish(id);
 }
@@ -280,12 +285,19 @@ void Engine::Impl::CheckBroken(Connection* c) {
 
 void Engine::Impl::OnConnectionError(int peer, const Status& s) {
   // A peer that leaves cleanly says goodbye on the connection it writes to, then closes both; the
-  // close of the other one can be seen first, so read what is waiting here before judging.
-  if (dead_[peer].ok() && in_[peer] && !in_[peer]->broken()) in_[peer]->OnReadable();
-  for (auto* c : {out_[peer].get(), in_[peer].get()}) {
-    if (c && c->broken()) loop_.Remove(c->fd());
+  // close of the other one can be seen first, so read all that is waiting here before judging (one
+  // OnReadable() stops after a budget, and the goodbye may sit behind megabytes of data).
+  while (dead_[peer].ok() && in_[peer] && !in_[peer]->broken() && in_[peer]->OnReadable()) {
   }
-  if (!dead_[peer].ok()) return;  // already gone, or left cleanly (OnPeerLeft)
+  const bool judged = !dead_[peer].ok();  // already gone, or left cleanly (OnPeerLeft)
+  for (auto* c : {out_[peer].get(), in_[peer].get()}) {
+    if (!c) continue;
+    // Gone for good: close both directions, so that a peer that is still alive (this worker refused
+    // its frame, say) sees the close at once instead of waiting for its timeout.
+    if (!judged) c->Close(Unavailable("closed after an error"));
+    if (c->broken()) loop_.Remove(c->fd());
+  }
+  if (judged) return;
   dead_[peer] = Unavailable("peer " + config_.peers.Describe(peer) + ": " + s.message());
   if (first_dead_.ok()) first_dead_ = dead_[peer];
   // A peer that leaves while nothing is in flight has simply finished; say more only when it hurts.

@@ -58,7 +58,15 @@ std::vector<std::unique_ptr<Engine>> StartCluster(int n, const std::function<voi
 
 void RunRanks(int n, const std::function<void(int)>& fn) {
   std::vector<std::thread> threads;
-  for (int r = 0; r < n; ++r) threads.emplace_back([&fn, r] { fn(r); });
+  for (int r = 0; r < n; ++r) {
+    threads.emplace_back([&fn, r] {
+      try {
+        fn(r);
+      } catch (const AssertionAbort&) {
+        // An ASSERT_* failed in this rank: already recorded; the thread ends, the others go on.
+      }
+    });
+  }
   for (auto& t : threads) t.join();
 }
 

@@ -290,6 +290,49 @@ TEST(Errors, CountMismatchIsInvalidArgumentEverywhere) {
   }
 }
 
+// Arguments a peer would refuse on the wire fail the call alone, at once: before, a peer refused the
+// frame and dropped the connection, so every later collective with this worker waited out the timeout.
+TEST(Errors, BadNameOrCountFailsTheCallAloneAtOnce) {
+  const int n = 3;
+  auto engines = StartCluster(n, [](EngineConfig& c) { c.timeout_seconds = 20; });
+  const auto t0 = std::chrono::steady_clock::now();
+  RunRanks(n, [&](int r) {
+    float x = 1;
+    for (const std::string& bad : {std::string(5000, 'a'), std::string()}) {
+      Status s = engines[r]->AllReduceSync(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, bad);
+      EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
+      EXPECT_TRUE(s.message().find("name must be 1 to 4096 bytes") != std::string::npos);
+    }
+    Waiter w;
+    engines[r]->Broadcast(&x, -1, DType::kFloat32, 0, "negative", w.Callback());
+    EXPECT_EQ(CodeName(w.Wait().code()), CodeName(Code::kInvalidArgument));
+    ASSERT_OK(engines[r]->AllReduceSync(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "ok"));
+    EXPECT_EQ(x, 3.f);
+  });
+  EXPECT_TRUE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 10);
+}
+
+// Data that arrives for a collective before this worker starts it is held in a bounded buffer. If the
+// start then fails (a bad root here), that data must be freed: it used to stay, and the bound's room with it.
+TEST(Errors, DataHeldForACollectiveThatFailsAtStartIsFreed) {
+  auto engines = StartCluster(2, [](EngineConfig& c) { c.max_pending_bytes = 6000; });
+  RunRanks(2, [&](int r) {
+    std::vector<float> buf(1000, r == 0 ? 1.f : 0.f);  // 4,000 bytes: more than half the bound
+    for (int step = 0; step < 3; ++step) {
+      if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));  // rank 0's data comes first
+      Waiter w;
+      const int root = r == 1 && step == 0 ? 7 : 0;
+      engines[r]->Broadcast(buf.data(), buf.size(), DType::kFloat32, root, "b" + std::to_string(step), w.Callback());
+      Status s = w.Wait();
+      if (step == 0) {
+        EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
+      } else {
+        EXPECT_OK(s);
+      }
+    }
+  });
+}
+
 TEST(Errors, BroadcastCountMismatchIsInvalidArgumentEverywhere) {
   for (int64_t threshold : {int64_t{0}, int64_t{1} << 26}) {  // chain and star
     const int n = 4;

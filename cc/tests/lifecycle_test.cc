@@ -1,6 +1,8 @@
 // Peers that start, leave, die or stall: N ranks as threads in one process over loopback. A dead or
 // stalled peer is an error within the deadline, a clean leave (LeaveCleanly) fails nobody, and a bad
 // token or a taken port fails Start.
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <thread>
 #include <vector>
@@ -92,6 +94,59 @@ TEST(Leave, PeerStillFinishingIsNotFailedByOneThatLeft) {
     engines[r]->LeaveCleanly();
     engines[r].reset();
   });
+}
+
+// The goodbye can sit behind much data the leaver sent: here rank 2's loop is held up until rank 1 has
+// gathered 2 MiB to it and left, so all of it is still unread when rank 2 sees the close. Reading stops
+// after a budget per call, and one call used to be all that was read before judging the close: the
+// goodbye went unseen and the gather failed. The 64 KiB budget (4 MiB by default) makes that certain
+// with a backlog that fits in the sockets' buffers once they have grown (the warm-up).
+TEST(Leave, GoodbyeBehindManyMegabytesIsRead) {
+  const int n = 3;
+  const int64_t big = int64_t{2} << 20;
+  auto engines = StartCluster(n, [](EngineConfig& c) {
+    c.timeout_seconds = 20;
+    c.read_budget_bytes = 64 << 10;
+  });
+  std::atomic<bool> left{false};
+  RunRanks(n, [&](int r) {
+    Engine* e = engines[r].get();
+    std::vector<char> in(r == 1 ? big : 0, 7), out(big, 0);
+    const std::vector<int64_t> counts = {0, big, 0};
+    for (int i = 0; i < 3; ++i) {  // lets the sockets' buffers grow
+      Waiter w;
+      e->AllGather(in.data(), out.data(), counts, DType::kUInt8, "warm" + std::to_string(i), w.Callback());
+      EXPECT_OK(w.Wait());
+    }
+    std::fill(out.begin(), out.end(), 0);
+    Waiter gather, fin, hold;
+    float x = 1;
+    DoneCallback held = hold.Callback();
+    e->AllReduce(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "hold", [r, held, &left](const Status& s) {
+      for (int i = 0; r == 2 && !left && i < 500; ++i) {  // rank 2's loop stops reading until rank 1 has left
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
+      held(s);
+    });
+    if (r != 1) {  // started before the hold ends, so rank 2 is ready for the data when it comes
+      e->AllGather(in.data(), out.data(), counts, DType::kUInt8, "gather", gather.Callback());
+      e->Barrier("fin", fin.Callback());
+    }
+    EXPECT_OK(hold.Wait());
+    if (r == 1) {
+      e->AllGather(in.data(), out.data(), counts, DType::kUInt8, "gather", gather.Callback());
+      e->Barrier("fin", fin.Callback());
+    }
+    EXPECT_OK(gather.Wait());
+    EXPECT_OK(fin.Wait());
+    EXPECT_EQ(std::count(out.begin(), out.end(), 7), static_cast<std::ptrdiff_t>(big));
+    if (r == 1) {
+      e->LeaveCleanly();
+      engines[r].reset();
+      left = true;
+    }
+  });
+  EXPECT_TRUE(left);
 }
 
 TEST(Leave, LaterCollectiveFailsAtOnceNamingTheLeaver) {

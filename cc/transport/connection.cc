@@ -20,12 +20,11 @@ constexpr int kMaxIov = 64;
 // Payloads at least this large are padded into line with the sender's memory (Enqueue).
 constexpr uint64_t kAlignPayloadMin = 16 << 10;
 const char kZeros[kMaxPadBytes] = {};
-// Bound one readable event's work so one busy peer cannot starve the others.
-constexpr uint64_t kReadBudget = 4 << 20;
 }  // namespace
 
-Connection::Connection(Fd fd, int peer, FrameSink* sink)
-    : fd_(std::move(fd)), peer_(peer), sink_(sink), staging_(kStagingBytes) {}
+Connection::Connection(Fd fd, int peer, FrameSink* sink, uint64_t read_budget)
+    : fd_(std::move(fd)), peer_(peer), sink_(sink), read_budget_(std::max<uint64_t>(1, read_budget)),
+      staging_(kStagingBytes) {}
 
 void Connection::Fail(const Status& s) {
   if (broken_) return;
@@ -40,8 +39,13 @@ bool Connection::TakeError(Status* why) {
   return true;
 }
 
-void Connection::OnReadable() {
-  uint64_t budget = kReadBudget;
+void Connection::Close(const Status& why) {
+  Fail(why);
+  ::shutdown(fd_.get(), SHUT_RDWR);
+}
+
+bool Connection::OnReadable() {
+  uint64_t budget = read_budget_;
   while (!broken_ && budget > 0) {
     const uint64_t remaining = header_.payload_bytes - payload_got_;
     char* dst;
@@ -62,11 +66,15 @@ void Connection::OnReadable() {
       want = staging_.size() - staged_end_;
     }
     const ssize_t n = ::recv(fd_.get(), dst, want, 0);
-    if (n == 0) return Fail(Unavailable("closed the connection"));
+    if (n == 0) {
+      Fail(Unavailable("closed the connection"));
+      return false;
+    }
     if (n < 0) {
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return false;
       if (errno == EINTR) continue;
-      return Fail(ErrnoStatus(Code::kUnavailable, "connection error", errno));
+      Fail(ErrnoStatus(Code::kUnavailable, "connection error", errno));
+      return false;
     }
     budget -= std::min<uint64_t>(budget, static_cast<uint64_t>(n));
     if (direct) {
@@ -74,9 +82,10 @@ void Connection::OnReadable() {
       if (payload_got_ == header_.payload_bytes) FinishFrame();
     } else {
       staged_end_ += static_cast<size_t>(n);
-      if (!ParseStaged()) return;
+      if (!ParseStaged()) return false;
     }
   }
+  return !broken_;
 }
 
 // Consumes staged bytes into frames. Returns false when the connection broke.

@@ -36,7 +36,8 @@ class FrameSink {
 
 class Connection {
  public:
-  Connection(Fd fd, int peer, FrameSink* sink);
+  // read_budget: the most one OnReadable() reads (at least 1).
+  Connection(Fd fd, int peer, FrameSink* sink, uint64_t read_budget = 4 << 20);
   int fd() const { return fd_.get(); }
   int peer() const { return peer_; }
   bool broken() const { return broken_; }
@@ -44,8 +45,13 @@ class Connection {
   // happen while an op is sending, and failing ops from there would pull the op out from under itself).
   bool TakeError(Status* why);
 
-  // Reads what is available; frames go to the sink. Errors are kept for TakeError().
-  void OnReadable();
+  // Reads what is available, up to a budget per call so that one busy peer cannot starve the others;
+  // frames go to the sink. Errors are kept for TakeError(). Returns true when it stopped at the budget
+  // (more may be waiting), false when the socket had no more or the connection broke.
+  bool OnReadable();
+  // Marks the connection broken with why (unless it is already) and shuts the socket down both ways,
+  // so the peer sees the close now; the fd stays open (and its number taken) until destruction.
+  void Close(const Status& why);
   // Queues a frame. data (payload_bytes long) must stay valid until written or cancelled.
   void Enqueue(const FrameHeader& h, const std::string& name, const void* data, uint64_t op_id);
   // Same, but the connection owns the payload.
@@ -88,6 +94,7 @@ class Connection {
   Fd fd_;
   int peer_;
   FrameSink* sink_;
+  uint64_t read_budget_;  // see the constructor
   bool broken_ = false;
   bool error_taken_ = false;
   Status error_;
