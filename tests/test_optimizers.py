@@ -207,6 +207,20 @@ def test_warmup_callback_ramps_the_rate_batch_by_batch_then_leaves_it():
     assert warmup.rate(0, 0) == pytest.approx(0.1) and warmup.rate(9, 0) == pytest.approx(0.4)
 
 
+def test_warmup_callback_happens_once_and_not_when_fit_starts_past_it():
+    model, x, y = model_and_data()
+    model.compile(optimizer=optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.5)), loss="mse")
+    warmup = callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=1, start_lr=0.1)
+    model.fit(x, y, batch_size=16, epochs=2, callbacks=[warmup], verbose=0)
+    model.optimizer.learning_rate = 0.05  # as ReduceLROnPlateau would
+    record = _RecordRate()
+    model.fit(x, y, batch_size=16, epochs=4, initial_epoch=2, callbacks=[warmup, record], verbose=0)
+    assert record.rates == pytest.approx([0.05] * 8)
+    fresh, record = callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=1), _RecordRate()
+    model.fit(x, y, batch_size=16, epochs=3, initial_epoch=2, callbacks=[fresh, record], verbose=0)
+    assert record.rates == pytest.approx([0.05] * 4)  # a resumed run past the warm-up keeps its rate
+
+
 def test_warmup_callback_starts_from_the_rate_over_size():
     model, x, y = model_and_data()
     model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")

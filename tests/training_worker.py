@@ -229,6 +229,14 @@ def indexed_slices_equal_densified():
         sparse, as_dense, dense = fn()
         np.testing.assert_allclose(sparse.numpy(), dense.numpy(), rtol=1e-6, atol=1e-6, err_msg=f"sparse {how}")
         np.testing.assert_allclose(as_dense.numpy(), dense.numpy(), rtol=1e-6, atol=1e-6, err_msg=f"dense {how}")
+    # The optimizer wrappers in a tf.function, with and without sparse_as_dense, under every strategy
+    # (sparse_as_dense once failed to trace: its branches returned dense and sparse gradients).
+    for sparse_as_dense in (False, True):
+        opt = kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1), sparse_as_dense=sparse_as_dense)
+        step = tf.function(lambda: opt.apply_gradients(zip(grads(), [table])))
+        for strategy in kungfu.optimizers.STRATEGIES:
+            opt.strategy = strategy
+            step()
 
 
 def _bytes_sent(fn):

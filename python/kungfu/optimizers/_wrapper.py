@@ -204,6 +204,8 @@ class DistributedMixin:
         kf = self._kungfu
         live = [i for i, g in enumerate(grads) if g is not None]
         g_live, v_live = [grads[i] for i in live], [variables[i] for i in live]
+        if kf.sparse_as_dense:  # before the branches, which must all return the same structure
+            g_live = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in g_live]
 
         def ssgd():
             m = kf.monitors

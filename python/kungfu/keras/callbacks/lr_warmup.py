@@ -24,8 +24,11 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         start_lr: the rate of the first batch; default initial_lr / size().
         verbose: 1 prints the rate at each epoch's start during the warm-up, on rank 0.
 
-    The optimizer's learning rate must be a number (a variable), not a LearningRateSchedule: that
-    raises ValueError when training begins. Momentum is not corrected as the rate changes.
+    The warm-up happens once: a later fit leaves the rate alone once it is over, and a fit that starts
+    past it (initial_epoch, a resumed run) never touches the rate. A fit that stops within it and a later
+    one with initial_epoch go on where it stopped. The optimizer's learning rate must be a number (a
+    variable), not a LearningRateSchedule: that raises ValueError when training begins. Momentum is not
+    corrected as the rate changes.
     """
 
     def __init__(self, initial_lr, warmup_epochs=5, steps_per_epoch=None, start_lr=None, verbose=0):
@@ -39,7 +42,8 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self._epoch = 0
         self._steps = None
         self._first_lr = None
-        self._finished = False  # the warm-up's last rate has been set
+        self._ramping = False  # a batch of the warm-up has had its rate set
+        self._finished = False  # the warm-up is over: the rate is left alone from then on
 
     def on_train_begin(self, logs=None):
         _lib.require_init("LearningRateWarmupCallback")
@@ -48,9 +52,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
             raise ValueError("LearningRateWarmupCallback: model.fit does not know the number of batches per epoch "
                              "(an endless dataset?); pass steps_per_epoch")
         self._first_lr = self.start_lr if self.start_lr is not None else self.initial_lr / _lib.size()
-        self._finished = False
         try:
-            self.model.optimizer.learning_rate = self._first_lr
+            optimizer = self.model.optimizer
+            optimizer.learning_rate = float(optimizer.learning_rate)  # no change; a schedule refuses it
         except (TypeError, ValueError) as e:
             raise ValueError("LearningRateWarmupCallback: the optimizer's learning rate must be a number, not a "
                              f"LearningRateSchedule ({e})") from e
@@ -61,9 +65,15 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
             print(f"LearningRateWarmupCallback: epoch {epoch + 1}, learning rate {self.rate(epoch, 0):.6g}")
 
     def on_train_batch_begin(self, batch, logs=None):
-        if not self._finished:
-            self.model.optimizer.learning_rate = self.rate(self._epoch, batch)
-            self._finished = self._epoch + batch / self._steps >= self.warmup_epochs
+        if self._finished:
+            return  # also in a later fit: the rate may have moved since (ReduceLROnPlateau, a policy)
+        over = self._epoch + batch / self._steps >= self.warmup_epochs
+        if over and not self._ramping:
+            self._finished = True  # this fit starts past the warm-up (initial_epoch, a resumed run)
+            return
+        self._ramping = True
+        self.model.optimizer.learning_rate = self.rate(self._epoch, batch)
+        self._finished = over
 
     def rate(self, epoch, batch):
         """The rate of batch `batch` of epoch `epoch` (both from 0); initial_lr once the warm-up is over."""
