@@ -64,9 +64,10 @@ void Engine::Impl::Dispatch(ActiveOp& a, int src, const FrameHeader& h, const ch
   Op* op = a.op.get();
   const uint64_t id = op->id;
   if (h.kind != FrameKind::kAbort && h.shape_sig != op->shape_sig) {
+    // Before the algorithm's own checks, so this also catches what differs in the element count.
     return Fail(id,
-                InvalidArgument("peer " + config_.peers.Describe(src) +
-                                " passed a tensor of another shape with the same number of elements"),
+                InvalidArgument("peer " + config_.peers.Describe(src) + " passed a tensor of another shape (" +
+                                std::to_string(h.count) + " elements there)"),
                 true);
   }
   Status s;

@@ -11,7 +11,8 @@ model.fit, for a custom loop with DistributedGradientTape, and for opt.apply_gra
 tf.function and eagerly. Each worker computes that single-process reference itself, without the
 cluster. Workers build their models from different seeds, so the fit check also shows that
 BroadcastGlobalVariablesCallback makes them start identical. Also: a strategy switch between steps
-without retracing, IndexedSlices against densified gradients, MetricAverageCallback, training
+without retracing, IndexedSlices against densified gradients (and sparse_as_dense under every
+strategy), pair averaging whatever the optimizers are named, MetricAverageCallback, training
 resumed from a saved model by kungfu.keras.load_model, gradient accumulation (one exchange per
 update), mixed precision with a loss-scale optimizer (an overflow on one worker skips the step on
 all), and a clear error at once when the workers' model.fit would take different numbers of steps.
@@ -237,6 +238,23 @@ def indexed_slices_equal_densified():
         for strategy in kungfu.optimizers.STRATEGIES:
             opt.strategy = strategy
             step()
+
+
+@check
+def pair_averaging_pairs_models_whatever_the_optimizers_are_named():
+    """Keras names optimizers per process ("sgd", "sgd_1"): an extra one on rank 0 must not keep the
+    workers' pair averaging from finding each other's models (it once did, silently)."""
+    rank = kungfu.rank()
+    if rank == 0:
+        keras.optimizers.SGD()  # takes the first automatic name on rank 0 only
+    v = tf.Variable(tf.fill([3], float(rank)))
+    opt = kungfu.optimizers.PairAveragingOptimizer(keras.optimizers.SGD(0.0))  # only the averaging moves v
+    step = tf.function(lambda: opt.apply_gradients([(tf.zeros([3]), v)]))
+    for i in range(4):
+        step()
+        kungfu.barrier(name=f"pair-names/{i}")  # every model published before the next requests
+    if float(v.numpy()[0]) == float(rank):
+        raise AssertionError(f"rank {rank}'s model never moved: no peer's copy was found")
 
 
 def _bytes_sent(fn):

@@ -13,6 +13,8 @@ that has published nothing yet (the first step, or just after a switch to this s
 dtype, so each step makes one request per dtype, not one per variable.
 """
 
+import zlib
+
 import tensorflow as tf
 
 from .. import _lib
@@ -36,6 +38,14 @@ def _by_dtype(variables):
 
 def _flat(group):
     return tf.concat([tf.reshape(tf.convert_to_tensor(v), [-1]) for v in group], axis=0)
+
+
+def model_key(variables):
+    """The store name prefix of a model's copy for pair averaging, from its variables' dtypes and shapes,
+    which every worker's copy of the same model shares. (Names would not do: Keras counts automatic
+    names, "sgd_1" or "dense_2", per process, so they can differ between workers.)"""
+    layout = ";".join(f"{tf.as_dtype(v.dtype).name}{list(v.shape)}" for v in variables)
+    return f"kungfu/model/{zlib.crc32(layout.encode()):08x}"
 
 
 def store_name(prefix, dtype):

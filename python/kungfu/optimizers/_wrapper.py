@@ -235,7 +235,7 @@ class DistributedMixin:
             return g_live
 
         def pair():
-            _averaging.pair_average(v_live, self._kungfu_store_prefix(), self.iterations)
+            _averaging.pair_average(v_live, _averaging.model_key(variables), self.iterations)
             return g_live
 
         new = tf.switch_case(kf.strategy.read_value(), [ssgd, sma, pair])
@@ -244,16 +244,13 @@ class DistributedMixin:
             out[i] = g
         return out
 
-    def _kungfu_store_prefix(self):
-        return f"kungfu/model/{self.name}"
-
     def _kungfu_publish(self, variables, is_update=None):
         is_pair = tf.equal(self._kungfu.strategy, strategy_index("pair_averaging"))
         if is_update is not None:  # with gradient accumulation, the model changes only on updates
             is_pair = tf.logical_and(is_pair, is_update)
 
         def publish():
-            _averaging.publish(variables, self._kungfu_store_prefix())
+            _averaging.publish(variables, _averaging.model_key(variables))
             return tf.constant(True)
 
         tf.cond(is_pair, publish, lambda: tf.constant(False))
