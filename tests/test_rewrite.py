@@ -40,11 +40,21 @@ def model_and_optimizer(kind, optimizer="sgd", **opt_args):
     elif kind == "bn":  # state written in the forward pass (moving statistics, the dropout seed)
         layers = [keras.Input((6,)), keras.layers.Dense(8), keras.layers.BatchNormalization(),
                   keras.layers.Dropout(0.2), keras.layers.Dense(3)]
+    elif kind == "shared":  # a layer called twice: the tape sums its two partial gradients (convention 7)
+        inputs, dense = keras.Input((6,)), keras.layers.Dense(6, activation="tanh")
+        return keras.Model(inputs, keras.layers.Dense(3)(dense(dense(inputs)))), make_optimizer(optimizer, **opt_args)
     else:  # tf.gather on the embedding: an IndexedSlices gradient
         layers = [keras.Input((5,), dtype="int32"), keras.layers.Embedding(20, 4), keras.layers.Flatten(),
                   keras.layers.Dense(3)]
-    opt = keras.optimizers.Adam(0.01, **opt_args) if optimizer == "adam" else keras.optimizers.SGD(0.1, **opt_args)
-    return keras.Sequential(layers), opt
+    return keras.Sequential(layers), make_optimizer(optimizer, **opt_args)
+
+
+def make_optimizer(name, **opt_args):
+    if name == "adam":
+        return keras.optimizers.Adam(0.01, **opt_args)
+    if name == "nadam":  # its u_product is a trainable variable updated without a gradient
+        return keras.optimizers.Nadam(0.01, **opt_args)
+    return keras.optimizers.SGD(0.1, **opt_args)
 
 
 def train_step(model, opt):
@@ -122,7 +132,7 @@ def test_collectives_can_start_during_the_backward_pass():
 
 @pytest.mark.parametrize("kind,optimizer,opt_args", [
     ("mlp", "sgd", {}), ("mlp", "adam", {}), ("embedding", "sgd", {}), ("embedding", "adam", {}),
-    ("bn", "sgd", {"momentum": 0.9}), ("mlp", "adam", {"global_clipnorm": 0.5})])
+    ("bn", "sgd", {"momentum": 0.9}), ("mlp", "adam", {"global_clipnorm": 0.5}), ("shared", "adam", {}), ("mlp", "nadam", {})])
 def test_bit_exact_with_one_worker(kind, optimizer, opt_args):
     original_model, original_opt = model_and_optimizer(kind, optimizer, **opt_args)
     model, opt = model_and_optimizer(kind, optimizer, **opt_args)
@@ -276,6 +286,11 @@ def test_tf_conventions_hold():
               if conv.in_gradient_scope(op.name) and re.search(r"/embedding[^/]*/Shape$", op.name)]
     assert shapes and set(shapes) <= conv.SHAPE_OPS, \
         f"4: the dense shape of an embedding's IndexedSlices gradient now comes from {shapes}, not a SHAPE_OPS op"
+    shared_model, shared_opt = model_and_optimizer("shared")
+    shared = train_step(shared_model, shared_opt).get_concrete_function(*batch("mlp"))
+    sums = [op for op in shared.graph.get_operations() if op.type == "AddN" and not conv.in_gradient_scope(op.name)
+            and all(conv.in_gradient_scope(t.op.name) for t in op.inputs)]
+    assert len(sums) == 2, "7: the tape no longer sums a twice-used layer's gradients with an AddN outside its scope"
     seen = []
 
     def body(x, y):

@@ -3,7 +3,7 @@
 Every assumption the rewrite makes about TensorFlow's or Keras's graphs, or about TensorFlow internals,
 lives here, so that a TensorFlow or Keras upgrade that breaks one shows up in one place:
 tests/test_rewrite.py::test_tf_conventions_hold traces a small Keras step and checks those an upgrade
-could change (1, 2, 4, 5, 6), naming the one that did.
+could change (1, 2, 4, 5, 6, 7), naming the one that did.
 
   1. tf.GradientTape.gradient builds the backward pass under a name scope "gradient_tape" (a second tape
      in one graph gets "gradient_tape_1", a user's name scope may prefix it).
@@ -20,6 +20,8 @@ could change (1, 2, 4, 5, 6), naming the one that did.
      captured tensor, in the order of cf.captured_inputs. (TF internal; public attributes, unpublished order.)
   6. Inside the body of a tf.function being traced, the default graph's `inputs` are, before anything is
      captured, the argument placeholders, in the order a function of the same signature uses. (TF internal.)
+  7. When a variable is used more than once (a layer called twice), the tape sums its partial gradients
+     with an AddN made outside the "gradient_tape" name scope, whose inputs all come from the backward pass.
 """
 
 import re
@@ -54,6 +56,12 @@ CALL_OPS = frozenset({"While", "StatelessWhile", "If", "StatelessIf", "Case", "S
 def in_gradient_scope(op_name):
     """Whether an op belongs to the backward pass a tf.GradientTape built."""
     return GRADIENT_SCOPE.search(op_name) is not None
+
+
+def is_gradient_sum(op, backward):
+    """Whether op is the tape's sum of one variable's partial gradients (convention 7); backward holds
+    the names of the backward-pass ops seen so far."""
+    return op.type == "AddN" and bool(op.inputs) and all(t.op.name in backward for t in op.inputs)
 
 
 def is_variable_write(op_type):

@@ -1,7 +1,8 @@
 """Finding the gradients of a traced training step and the variable updates they feed.
 
 A *gradient tensor* is a tensor that the backward pass of a tf.GradientTape produced (an op under the
-"gradient_tape/" name scope) and that something outside the backward pass consumes. An *update* is an op
+"gradient_tape/" name scope, or the AddN with which the tape sums the gradients of a variable used more
+than once, e.g. a layer called twice) and that something outside the backward pass consumes. An *update* is an op
 that writes a trainable variable (AssignSubVariableOp, ResourceScatterSub, ...). The gradient of a variable
 is the gradient tensor its updates depend on, found by walking the data inputs of the updates backwards:
   - through the optimizer's own state: a read of a slot variable (Adam's m and v) continues at the
@@ -48,7 +49,12 @@ def find_gradients(cf, what):
     updated = {ph: ws for ph, ws in writes.items() if ph in trainable}
     if not boundary or not updated:
         raise ValueError(_nothing_found(what, ops, boundary, updated, trainable))
-    found = {ph: _gradients_of(ws, boundary, trainable, writes) for ph, ws in updated.items()}
+    walks = {ph: _gradients_of(ws, boundary, trainable, writes) for ph, ws in updated.items()}
+    # A trainable variable with no gradient that other variables' updates read is optimizer state that
+    # was made trainable (Keras's Nadam makes its u_product so): it is left alone, as the optimizer's own.
+    read = set().union(*(reads for _, _, reads in walks.values()))
+    found = {ph: (floats, ints) for ph, (floats, ints, _) in walks.items() if floats or ints or ph not in read}
+    updated = {ph: ws for ph, ws in updated.items() if ph in found}
     _check_one_per_variable(what, found, updated, trainable)
     order = {op.name: i for i, op in enumerate(ops)}
     sites = []
@@ -62,12 +68,16 @@ def find_gradients(cf, what):
 
 def _boundary_tensors(ops):
     """Outputs of backward-pass ops that an op outside the backward pass consumes, by name."""
+    backward = set()  # names of the backward pass's ops; ops come in creation order, inputs first
+    for op in ops:
+        if conv.in_gradient_scope(op.name) or conv.is_gradient_sum(op, backward):
+            backward.add(op.name)
     boundary = {}
     for op in ops:
-        if conv.in_gradient_scope(op.name):
+        if op.name in backward:
             continue
         for t in op.inputs:
-            if conv.in_gradient_scope(t.op.name):
+            if t.op.name in backward:
                 boundary[t.name] = t
     return boundary
 
@@ -95,9 +105,10 @@ def _writes_by_resource(ops):
 
 
 def _gradients_of(update_ops, boundary, trainable, writes):
-    """(float gradient tensors, integer index tensors) the updates depend on; see the module doc."""
+    """(float gradient tensors, integer index tensors, the trainable variables read) the updates depend
+    on; see the module doc."""
     stack = [t for w in update_ops for t in w.inputs if t.dtype != tf.resource]
-    seen, floats, ints = set(), {}, {}
+    seen, floats, ints, reads = set(), {}, {}, set()
     while stack:
         t = stack.pop()
         if t.name in seen:
@@ -113,11 +124,13 @@ def _gradients_of(update_ops, boundary, trainable, writes):
             root = _resource_root(op.inputs[0])
             if root not in trainable:  # optimizer state: follow what was written into it
                 stack.extend(i for w in writes.get(root, []) for i in w.inputs if i.dtype != tf.resource)
+            else:
+                reads.add(root)
         elif op.type in conv.PER_OUTPUT_OPS:
             stack.append(op.inputs[t.value_index])
         elif op.type not in conv.REDUCTION_OPS:
             stack.extend(i for i in op.inputs if i.dtype != tf.resource)
-    return list(floats.values()), list(ints.values())
+    return list(floats.values()), list(ints.values()), reads
 
 
 _FIX = ("kungfu.rewrite needs a step that computes gradients with tf.GradientTape and applies them to the "
