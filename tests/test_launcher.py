@@ -237,6 +237,17 @@ def test_bad_arguments(args, message, reaper):
     assert rc == 2 and message in err and "kfrun --help" in err, err
 
 
+def test_kungfu_timeout_in_the_environment_is_the_default(reaper):
+    code = "import os; print(os.environ['KUNGFU_TIMEOUT'])"
+    rc, out, err = run_kfrun(["-np", "1", "--", sys.executable, "-c", code], reaper, {"KUNGFU_TIMEOUT": "300"})
+    assert (rc, out) == (0, "[0] 300\n"), err
+    rc, out, err = run_kfrun(["-np", "1", "--timeout", "7", "--", sys.executable, "-c", code], reaper,
+                             {"KUNGFU_TIMEOUT": "300"})
+    assert (rc, out) == (0, "[0] 7\n"), err
+    rc, out, err = run_kfrun(["-np", "1", "--", "true"], reaper, {"KUNGFU_TIMEOUT": "soon"})
+    assert rc == 2 and "KUNGFU_TIMEOUT='soon'" in err, err
+
+
 def test_x_sets_the_variable_for_every_worker(reaper):
     code = "import os; print(os.environ['FOO'], os.environ['KUNGFU_RING_THRESHOLD'])"
     rc, out, err = run_kfrun(["-np", "2", "-x", "FOO=bar", "-x", "KUNGFU_RING_THRESHOLD=0", "--", sys.executable,

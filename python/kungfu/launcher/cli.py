@@ -46,7 +46,8 @@ def _define_flags():
     flags.DEFINE_integer("np", None, "Number of workers (required).", flag_values=fv)
     flags.DEFINE_string("H", None, "Hosts and slots: host:N,host:N,... (default: 127.0.0.1:np).", flag_values=fv)
     flags.DEFINE_string("hostfile", None, "File of 'host slots=N' or 'host:N' lines; # comments.", flag_values=fv)
-    flags.DEFINE_float("timeout", 60.0, "Seconds; every blocking wait in a worker (KUNGFU_TIMEOUT).", flag_values=fv)
+    flags.DEFINE_float("timeout", 60.0, "Seconds; every blocking wait in a worker (KUNGFU_TIMEOUT; default: "
+                       "$KUNGFU_TIMEOUT if set, else 60).", flag_values=fv)
     flags.DEFINE_float(
         "grace", None, "Seconds the others may run on after a worker fails, before SIGTERM "
         "(default: timeout + 10).", flag_values=fv)
@@ -124,8 +125,15 @@ def parse_args(argv):
     command = rest[1:]
     if not command:
         raise UsageError("no worker command; put it after --, e.g. kfrun -np 2 -- python train.py")
-    # The engine accepts KUNGFU_TIMEOUT from 0.001 to 1e7 seconds (cc/engine.cc).
-    timeout = _seconds("timeout", fv.timeout, 0.001, low_open=False)
+    # The engine accepts KUNGFU_TIMEOUT from 0.001 to 1e7 seconds (cc/engine.cc). Without --timeout, a
+    # KUNGFU_TIMEOUT in kfrun's environment counts, as the workers would have read it.
+    timeout = fv.timeout
+    if not fv["timeout"].present and "KUNGFU_TIMEOUT" in os.environ:
+        try:
+            timeout = float(os.environ["KUNGFU_TIMEOUT"])
+        except ValueError:
+            raise UsageError(f"KUNGFU_TIMEOUT={os.environ['KUNGFU_TIMEOUT']!r} is not a number of seconds") from None
+    timeout = _seconds("timeout", timeout, 0.001, low_open=False)
     grace = _seconds("grace", timeout + 10 if fv.grace is None else fv.grace, 0, 1e7 + 10, low_open=False)
     return Options(
         np=fv.np,
