@@ -12,7 +12,8 @@ tf.function and eagerly. Each worker computes that single-process reference itse
 cluster. Workers build their models from different seeds, so the fit check also shows that
 BroadcastGlobalVariablesCallback makes them start identical. Also: a strategy switch between steps
 without retracing, IndexedSlices against densified gradients (and sparse_as_dense under every
-strategy), pair averaging whatever the optimizers are named, MetricAverageCallback, training
+strategy), pair averaging whatever the optimizers are named, broadcast_variables (and its refusal of
+different layouts, with nothing assigned), MetricAverageCallback, training
 resumed from a saved model by kungfu.keras.load_model, gradient accumulation (one exchange per
 update), mixed precision with a loss-scale optimizer (an overflow on one worker skips the step on
 all), and a clear error at once when the workers' model.fit would take different numbers of steps.
@@ -238,6 +239,29 @@ def indexed_slices_equal_densified():
         for strategy in kungfu.optimizers.STRATEGIES:
             opt.strategy = strategy
             step()
+
+
+@check
+def broadcast_variables_copies_root_and_refuses_different_layouts():
+    rank = kungfu.rank()
+    a, b = tf.Variable(tf.fill([2, 3], float(rank))), tf.Variable(tf.fill([4], rank))
+    kungfu.broadcast_variables([a], root=1)
+    tf.function(lambda: kungfu.broadcast_variables([b], root=0))()
+    if not (np.all(a.numpy() == 1.0) and np.all(b.numpy() == 0)):
+        raise AssertionError(f"broadcast_variables gave {a.numpy()} from rank 1 and {b.numpy()} from rank 0")
+    odd = tf.Variable(tf.fill([2, 3] if rank == 0 else [3, 2], float(rank)))  # the same size, another shape
+    for how, fn, error in (("eagerly", lambda: kungfu.broadcast_variables([odd]), ValueError),
+                           ("in tf.function", tf.function(lambda: kungfu.broadcast_variables([odd])),
+                            tf.errors.InvalidArgumentError)):
+        try:
+            fn()
+        except error as e:
+            if "different variables" not in str(e):
+                raise AssertionError(f"{how}: unclear error: {e}") from e
+        else:
+            raise AssertionError(f"{how}: no error for different layouts")
+        if not np.all(odd.numpy() == float(rank)):
+            raise AssertionError(f"{how}: the variable was overwritten although the layouts differ")
 
 
 @check

@@ -11,13 +11,19 @@ def broadcast_variables(variables, root=0, name=None):
     One broadcast per dtype, of the variables' values concatenated, so that a model of many small
     variables costs a few network round trips, not one per variable. Every worker must pass the same
     variables in the same order (shapes and dtypes are checked across workers). Works eagerly and in
-    tf.function. Raises ValueError when the workers' variables differ in dtype, shape or order.
+    tf.function. When the workers' variables differ in dtype, shape or order, nothing is assigned and it
+    raises ValueError (inside a tf.function, tf.errors.InvalidArgumentError when the step runs).
     """
     from .ops import collective
 
     _lib.require_init("kungfu.broadcast_variables")
     variables = list(variables)
-    _check_same_variables(collective, variables, name)
+    checked = _check_same_variables(collective, variables, name)
+    with tf.control_dependencies([checked] if checked is not None else []):  # in a graph: no broadcast first
+        _broadcast(collective, variables, root, name)
+
+
+def _broadcast(collective, variables, root, name):
     groups = {}
     for v in variables:
         groups.setdefault(tf.as_dtype(v.dtype), []).append(v)
@@ -41,5 +47,5 @@ def _check_same_variables(collective, variables, name):
     if tf.executing_eagerly():
         if not bool(same):
             raise ValueError(message)
-    else:
-        tf.debugging.Assert(same, [message])
+        return None
+    return tf.debugging.Assert(same, [message])
