@@ -264,6 +264,13 @@ def test_an_unknown_compression_is_refused(make):
         make()
 
 
+def test_a_wrapper_class_made_from_its_config_says_how_to_wrap():
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.Adam(0.01))
+    clone = type(opt).from_config(opt.get_config())
+    with pytest.raises(ValueError, match="made without DistributedOptimizer"):
+        clone.apply_gradients([(tf.constant([1.0]), keras.Variable([1.0]))])
+
+
 def test_loss_scale_optimizer_must_be_inside():
     """Under mixed_float16, model.compile wraps a distributed optimizer in a LossScaleOptimizer, whose
     overflow check would read each worker's own gradients: the first step says how to wrap instead.

@@ -124,6 +124,10 @@ class DistributedMixin:
 
     def apply(self, grads, trainable_variables=None):
         _lib.require_init(f"{type(self).__name__} (a kungfu distributed optimizer)")
+        if self._kungfu is None:  # e.g. type(opt).from_config(opt.get_config()): the config has no kungfu settings
+            raise ValueError(f"{self.name} is a kungfu distributed optimizer class made without "
+                             "DistributedOptimizer(), so it has none of its settings; wrap a plain Keras "
+                             "optimizer with kungfu.optimizers.DistributedOptimizer (or SynchronousSGDOptimizer, ...)")
         _refuse_loss_scale_outside(self)
         policies = self._kungfu.policies
         if policies is None:
