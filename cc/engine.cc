@@ -159,6 +159,16 @@ void Engine::Impl::Submit(std::unique_ptr<Op> op) {
   loop_.Post([this, shared] { StartOp(std::move(*shared)); });
 }
 
+void Engine::Impl::Cancel(const std::string& name, const Status& why) {
+  loop_.Post([this, name, why] {  // after every op submitted before: posts run in order
+    std::vector<uint64_t> ids;
+    for (auto it = ops_.lower_bound(Key(name, 0)); it != ops_.end() && it->first.first == name; ++it) {
+      ids.push_back(it->second.op->id);
+    }
+    for (uint64_t id : ids) Fail(id, why, true);
+  });
+}
+
 EngineStats Engine::Impl::stats() const {
   EngineStats s;
   s.started = stats_.started;
@@ -270,6 +280,8 @@ void Engine::AllGather(const void* in, void* out, const std::vector<int64_t>& co
   if (!bad.ok()) return done(bad);
   impl_->Submit(NewAllGather(in, out, counts, dtype, name, std::move(done)));
 }
+
+void Engine::Cancel(const std::string& name, const Status& why) { impl_->Cancel(name, why); }
 
 void Engine::Barrier(const std::string& name, DoneCallback done) {
   Status bad = CheckCollective("barrier", name, DType::kUInt8, {});

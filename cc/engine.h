@@ -95,6 +95,10 @@ class Engine {
   void Barrier(const std::string& name, DoneCallback done);
   // *same = whether every worker passed the same bytes (compared by SHA-256 digest and length).
   void Consensus(const void* data, int64_t nbytes, bool* same, const std::string& name, DoneCallback done);
+  // Fails the collective named name that is in flight here, if any, with why, and tells the peers, so
+  // theirs fails too. For the parts of a group whose other parts can no longer all succeed. Collectives
+  // submitted before this call are covered; a later one of that name is not.
+  void Cancel(const std::string& name, const Status& why);
 
   // ---- Peer-to-peer (cc/p2p/) ----
   // Copies count elements of data into this worker's store under name, replacing the previous copy

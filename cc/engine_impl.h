@@ -38,6 +38,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   Status Start();
   void Shutdown();
   void Submit(std::unique_ptr<Op> op);
+  void Cancel(const std::string& name, const Status& why);  // any thread
   EngineStats stats() const;
   void ResetStats();
   std::vector<NamedCollectiveStats> CollectiveStats(bool reset) { return collective_stats_.Snapshot(reset); }

@@ -4,6 +4,7 @@
 // allocated otherwise. Whatever the engine reads or writes is held by the completion callback.
 // A group completes when its last part does; the first error wins.
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -53,16 +54,30 @@ class AllReduceOp : public AsyncOpKernel {
 
 // Counts the parts of one group down to zero, then finishes the kernel once. With norms, it also
 // sums the squares of the reduced values as the parts finish and writes the total to its output.
+// When a part fails, the others can no longer all succeed (workers whose lists differ even key their
+// parts differently, so some would wait for the timeout): they are cancelled here and at the peers.
 class GroupCompletion {
  public:
-  GroupCompletion(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done, size_t parts, Tensor* reduced_sq)
-      : ctx_(ctx), done_(std::move(done)), remaining_(parts), reduced_sq_(reduced_sq) {}
+  GroupCompletion(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done, size_t parts, Tensor* reduced_sq,
+                  const std::shared_ptr<kungfu::Engine>& engine, std::vector<std::string> names)
+      : ctx_(ctx), done_(std::move(done)), remaining_(parts), reduced_sq_(reduced_sq), engine_(engine),
+        names_(std::move(names)) {}
+
+  // Once every part has been handed to the engine (a cancel reaches only those).
+  void SubmittedAll() {
+    std::lock_guard<std::mutex> lock(mu_);
+    submitted_all_ = true;
+    if (!status_.ok()) CancelOthers();
+  }
 
   // Called on a worker thread once per part, with the sum of squares of its reduced values (0 without norms).
   void PartDone(const absl::Status& s, double squares = 0) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!s.ok() && status_.ok()) status_ = s;
+      if (!s.ok() && status_.ok()) {
+        status_ = s;
+        if (submitted_all_) CancelOthers();
+      }
       squares_ += squares;
       if (--remaining_ > 0) return;
     }
@@ -82,6 +97,18 @@ class GroupCompletion {
   size_t remaining_;     // parts not finished yet
   double squares_ = 0;   // of the reduced values so far
   Tensor* reduced_sq_;   // KfGroupAllReduceNorms' output, or null
+  std::weak_ptr<kungfu::Engine> engine_;  // weak: the engine's callbacks hold this object
+  std::vector<std::string> names_;  // every part's collective name
+  bool submitted_all_ = false;
+
+  void CancelOthers() {  // mu_ held; status_ is the first error
+    if (names_.size() < 2) return;
+    const kungfu::Status why(static_cast<kungfu::Code>(static_cast<int>(status_.code())),
+                             "another part of this group failed: " + std::string(status_.message()));
+    std::shared_ptr<kungfu::Engine> engine = engine_.lock();
+    if (!engine) return;
+    for (const std::string& name : names_) engine->Cancel(name, why);
+  }
 };
 
 // KfGroupAllReduce, and with norms KfGroupAllReduceNorms: the same collectives, plus the squared norms
@@ -97,8 +124,8 @@ class GroupAllReduceOp : public AsyncOpKernel {
   }
   explicit GroupAllReduceOp(OpKernelConstruction* c) : GroupAllReduceOp(c, false) {}
 
-  // Parts are keyed "<key>/<index>" (a tensor alone) and "<key>/bucket<part>"; the inputs' squared
-  // norm, when no bucket carries it, "<key>/sq".
+  // Parts are keyed "<key>/<part>", part indexing the fusion plan (a bucket of packed tensors or one
+  // tensor alone); the inputs' squared norm, when no bucket carries it, "<key>/sq".
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     std::string key;
     OP_REQUIRES_OK_ASYNC(ctx, KeyOf(ctx, &key), done);
@@ -143,9 +170,19 @@ class GroupAllReduceOp : public AsyncOpKernel {
         if (plan[p].packed && (d == kungfu::DType::kFloat32 || d == kungfu::DType::kFloat64)) carrier = p;
       }
     }
-    auto group = std::make_shared<GroupCompletion>(ctx, std::move(done),
-                                                   plan.size() + (squares && carrier < 0 ? 1 : 0),
-                                                   squares ? reduced_sq : nullptr);
+    // Parts are named by their place in the plan, whatever they hold, and every part's signature covers
+    // the whole group: workers whose lists differ (in length, a dtype, a shape) then meet at part 0 at
+    // least and fail there with InvalidArgument, which cancels the rest, instead of waiting out the timeout.
+    std::vector<std::string> names;  // each part's collective name, as started below
+    for (size_t p = 0; p < plan.size(); ++p) names.push_back(key + "/" + std::to_string(p));
+    if (squares && carrier < 0) names.push_back(key + "/sq");
+    uint32_t group_sig = CombineSignatures(static_cast<uint32_t>(n), static_cast<uint32_t>(fusion_bytes_));
+    for (int i = 0; i < n; ++i) {
+      group_sig = CombineSignatures(group_sig, static_cast<uint32_t>(dtypes[i]));
+      group_sig = CombineSignatures(group_sig, ShapeSignature(ctx->input(i).shape()));
+    }
+    auto group = std::make_shared<GroupCompletion>(ctx, std::move(done), names.size(), squares ? reduced_sq : nullptr,
+                                                   engine, names);
     double local = 0;  // this worker's sum of squares of the inputs
     for (size_t p = 0; p < plan.size(); ++p) {
       const FusionPart& part = plan[p];
@@ -156,19 +193,19 @@ class GroupAllReduceOp : public AsyncOpKernel {
         if (squares) local += SumSquares(ins[i].data, part.count, part.dtype);
         std::function<double()> then;
         if (squares) then = [out, count = part.count, dtype = part.dtype] { return SumSquares(out, count, dtype); };
-        engine->AllReduce(ins[i].data, out, part.count, part.dtype, op_, key + "/" + std::to_string(i),
-                          PartCallback(ctx, group, inputs, std::move(then)), ShapeSignature(ctx->input(i).shape()));
+        engine->AllReduce(ins[i].data, out, part.count, part.dtype, op_, names[p],
+                          PartCallback(ctx, group, inputs, std::move(then)), group_sig);
       } else {
-        local += StartBucket(ctx, engine.get(), part, key + "/bucket" + std::to_string(p), ins, outs, bytes, group,
-                             inputs, squares);
+        local += StartBucket(ctx, engine.get(), part, names[p], group_sig, ins, outs, bytes, group, inputs, squares);
       }
     }
     if (carrier >= 0) {
-      StartBucket(ctx, engine.get(), plan[carrier], key + "/bucket" + std::to_string(carrier), ins, outs, bytes, group,
-                  inputs, squares, &local, local_sq, engine->size());
+      StartBucket(ctx, engine.get(), plan[carrier], names[carrier], group_sig, ins, outs, bytes, group, inputs, squares,
+                  &local, local_sq, engine->size());
     } else if (squares) {
-      StartSquares(ctx, engine.get(), key + "/sq", local, local_sq, group);
+      StartSquares(ctx, engine.get(), names.back(), local, local_sq, group);
     }
+    group->SubmittedAll();
   }
 
  private:
@@ -177,7 +214,7 @@ class GroupAllReduceOp : public AsyncOpKernel {
   // mean), *carry plus that sum rides as one more element at the end of the buffer, and its mean over
   // the workers (the sum divided by size for sum) lands in local_sq.
   double StartBucket(OpKernelContext* ctx, kungfu::Engine* engine, const FusionPart& part, const std::string& name,
-                     const std::vector<BufferView>& ins, const std::vector<Tensor*>& outs,
+                     uint32_t group_sig, const std::vector<BufferView>& ins, const std::vector<Tensor*>& outs,
                      const std::vector<int64_t>& bytes, const std::shared_ptr<GroupCompletion>& group,
                      const std::shared_ptr<std::vector<Tensor>>& inputs, bool squares, const double* carry = nullptr,
                      Tensor* local_sq = nullptr, int size = 1) {
@@ -188,10 +225,9 @@ class GroupAllReduceOp : public AsyncOpKernel {
     auto buffer = std::make_shared<kungfu::Buffer>(kungfu::NewBuffer(static_cast<size_t>(total)));
     std::vector<std::pair<char*, int64_t>> pieces;  // output and element count, in bucket order
     int64_t offset = 0;
-    uint32_t sig = 1;  // over the members' shapes, in order
+    const uint32_t sig = group_sig;  // covers the members' shapes, and every other part's
     double local = 0;
     for (int i : part.tensors) {
-      sig = CombineSignatures(sig, ShapeSignature(ctx->input(i).shape()));
       if (squares) {
         local += CopySumSquares(buffer->get() + offset, ins[i].data, ins[i].count, part.dtype);
       } else if (bytes[i] > 0) {
@@ -242,7 +278,8 @@ class GroupAllReduceOp : public AsyncOpKernel {
     return f;
   }
 
-  // The mean over the workers of their inputs' sums of squares, into local_sq; counts as one part.
+  // The mean over the workers of their inputs' sums of squares, into local_sq; counts as one part. (Its
+  // signature is 1: every worker sends one double, and a group that differs fails at its part 0.)
   static void StartSquares(OpKernelContext* ctx, kungfu::Engine* engine, const std::string& name, double local,
                            Tensor* local_sq, const std::shared_ptr<GroupCompletion>& group) {
     auto value = std::make_shared<double>(local);

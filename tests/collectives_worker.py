@@ -316,6 +316,12 @@ def mismatches_fail_on_every_worker():
         "all_gather dtype": (lambda: kungfu.all_gather(np.zeros([2], np.int64 if odd else np.int32),
                                                        name="mm/agtype"), ["int64"]),
         "group in function": (lambda: group(tf.zeros([3 if odd else 2])), ["mm/group"]),
+        # Lists that the fusion plan cuts into other parts (a dtype, a length): the parts meet by their
+        # place in the plan and every part's signature covers the whole group, so this fails at once too.
+        "group dtype": (lambda: kungfu.group_all_reduce([tf.zeros([2], tf.float64 if odd else tf.float32),
+                                                         tf.zeros([3])], name="mm/gdtype"), ["mm/gdtype"]),
+        "group length": (lambda: kungfu.group_all_reduce([tf.zeros([2])] * (3 if odd else 2), fusion_bytes=0,
+                                                         name="mm/glen"), ["mm/glen"]),
         "broadcast count": (lambda: kungfu.broadcast(np.zeros([3 if odd else 2], np.int32), name="mm/bcast"),
                             ["mm/bcast"]),
         # Same number of elements, another shape: caught by the shape signature in every frame.

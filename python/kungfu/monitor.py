@@ -314,9 +314,9 @@ def update_count(optimizer=None):
 
 def collective_stats(reset=False):
     """This worker's counters per collective, keyed by the name of the collective the engine ran (a
-    group all-reduce's are "<key>/bucket<i>" and "<key>/<index>", e.g. a gradient bucket's
-    "one_step_on_data/kungfu/switch_case/indexed_case/group_all_reduce/bucket0" in model.fit or
-    "kungfu.rewrite/train_step/ssgd/0/bucket0"; a kungfu.all_reduce(x, name="n") is "n"), counted by
+    group all-reduce's are "<key>/<i>", i the part's place in its fusion plan, e.g. a gradient bucket's
+    "one_step_on_data/kungfu/switch_case/indexed_case/group_all_reduce/0" in model.fit or
+    "kungfu.rewrite/train_step/ssgd/0/0"; a kungfu.all_reduce(x, name="n") is "n"), counted by
     the engine since kungfu.init() or the last reset:
 
         {"calls": collectives finished OK, "failed": finished with an error,
