@@ -214,5 +214,29 @@ TEST(Errors, PortInUseFailsStartPromptly) {
   EXPECT_TRUE(secs < 2);
 }
 
+// Cancel fails the collective in flight under a name, with the status given, and the peers' too: here
+// rank 1 starts it only after rank 0 cancelled it, and fails at once from the abort waiting for it.
+TEST(Errors, CancelFailsTheCollectiveHereAndAtThePeers) {
+  auto engines = StartCluster(2, [](EngineConfig& c) { c.timeout_seconds = 20; });
+  const auto t0 = std::chrono::steady_clock::now();
+  float x = 1, y = 1;
+  Waiter first;
+  engines[0]->AllReduce(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "c", first.Callback());
+  engines[0]->Cancel("c", InvalidArgument("another part failed"));
+  engines[0]->Cancel("none in flight", InvalidArgument("ignored"));
+  Status s = first.Wait();
+  EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
+  EXPECT_TRUE(s.message().find("another part failed") != std::string::npos);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the abort reaches rank 1 first
+  s = engines[1]->AllReduceSync(&y, &y, 1, DType::kFloat32, ReduceOp::kSum, "c");
+  EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
+  EXPECT_TRUE(s.message().find("reported by peer") != std::string::npos);
+  RunRanks(2, [&](int r) {  // the connections are fine
+    float z = 1;
+    EXPECT_OK(engines[r]->AllReduceSync(&z, &z, 1, DType::kFloat32, ReduceOp::kSum, "after"));
+  });
+  EXPECT_TRUE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 10);
+}
+
 }  // namespace
 }  // namespace kungfu
