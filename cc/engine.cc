@@ -40,6 +40,8 @@ Status Engine::Impl::Start() {
   }
   dead_.assign(n, Status::OK());
   left_.assign(n, false);
+  judge_at_.assign(n, std::nullopt);
+  judge_why_.assign(n, Status::OK());
   out_.resize(n);
   in_.resize(n);
   writing_.assign(n, false);

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <map>
+#include <optional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -62,6 +63,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
                       uint64_t* owner) override;
   void OnFrame(int src, const FrameHeader& h, std::string name, char* data, Buffer owned) override;
   void OnConnectionError(int peer, const Status& s);
+  void Judge(int peer, const Status& s);  // the peer is gone: close to it, fail what involves it
   void LeaveCleanly() { leave_cleanly_ = true; }
   void CheckBroken(Connection* c);
 
@@ -114,6 +116,10 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   std::unordered_map<std::string, uint64_t> next_gen_;
   std::vector<Status> dead_;  // by rank: why a peer is gone (OK while alive)
   std::vector<bool> left_;    // by rank: the peer said goodbye (it is in dead_ too)
+  // By rank: the stream this worker writes to closed while the one it reads from is open; judged when
+  // that one closes too or at this time, whichever first (see OnConnectionError).
+  std::vector<std::optional<Deadline>> judge_at_;
+  std::vector<Status> judge_why_;
   Status first_dead_;
   uint64_t next_op_id_ = 1;
   std::vector<uint64_t> sent_;  // ops whose frames were written, to report outside op code

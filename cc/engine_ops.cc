@@ -174,6 +174,7 @@ void Engine::Impl::SendGoodbyes() {
 // it never started (this worker has started more) can never finish, so they fail now.
 void Engine::Impl::OnPeerLeft(int peer, uint64_t started) {
   if (!dead_[peer].ok()) return;
+  judge_at_[peer].reset();  // a close seen before this goodbye was its leaving, not a crash
   left_[peer] = true;
   dead_[peer] = Unavailable("peer " + config_.peers.Describe(peer) + " has left the cluster (it finalized after " +
                             std::to_string(started) + " collective(s))");
@@ -290,6 +291,23 @@ void Engine::Impl::OnConnectionError(int peer, const Status& s) {
   // OnReadable() stops after a budget, and the goodbye may sit behind megabytes of data).
   while (dead_[peer].ok() && in_[peer] && !in_[peer]->broken() && in_[peer]->OnReadable()) {
   }
+  Connection* out = out_[peer].get();
+  if (out && out->broken()) loop_.Remove(out->fd());
+  // Only the stream this worker writes to has closed. Across two TCP streams on a real network, that
+  // close can arrive before the goodbye on the other one, so wait for the other one's own close (a
+  // crashed peer's comes at once) or a short grace, rather than take a clean leave for a crash.
+  if (dead_[peer].ok() && in_[peer] && !in_[peer]->broken() && !stopping_) {
+    if (!judge_at_[peer]) {
+      judge_at_[peer] = DeadlineAfter(std::min(2.0, config_.timeout_seconds));
+      judge_why_[peer] = s;
+    }
+    return;
+  }
+  Judge(peer, judge_at_[peer] ? judge_why_[peer] : s);
+}
+
+void Engine::Impl::Judge(int peer, const Status& s) {
+  judge_at_[peer].reset();
   const bool judged = !dead_[peer].ok();  // already gone, or left cleanly (OnPeerLeft)
   for (auto* c : {out_[peer].get(), in_[peer].get()}) {
     if (!c) continue;
@@ -334,6 +352,11 @@ int Engine::Impl::AfterEvents() {
     pending_writes = pending_writes || !empty;
   }
   const Deadline now = Clock::now();
+  bool judging = false;
+  for (int p = 0; p < size(); ++p) {
+    if (judge_at_[p] && now >= *judge_at_[p]) Judge(p, judge_why_[p]);
+    judging = judging || judge_at_[p].has_value();
+  }
   std::vector<std::pair<uint64_t, std::string>> expired;
   for (auto& [key, a] : ops_) {
     if (now >= a.deadline) expired.emplace_back(a.op->id, a.op->Progress());
@@ -350,7 +373,7 @@ int Engine::Impl::AfterEvents() {
     flushed_ = true;
     cv_.notify_all();
   }
-  if (ops_.empty() && p2p_.idle() && !pending_writes) return flushing_ ? 10 : -1;
+  if (ops_.empty() && p2p_.idle() && !pending_writes && !judging) return flushing_ ? 10 : -1;
   return 20;
 }
 

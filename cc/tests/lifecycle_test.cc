@@ -1,6 +1,9 @@
 // Peers that start, leave, die or stall: N ranks as threads in one process over loopback. A dead or
 // stalled peer is an error within the deadline, a clean leave (LeaveCleanly) fails nobody, and a bad
 // token or a taken port fails Start.
+#include <poll.h>
+#include <sys/socket.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -10,7 +13,9 @@
 #include "cc/engine.h"
 #include "cc/tests/cluster.h"
 #include "cc/tests/testing.h"
+#include "cc/transport/handshake.h"
 #include "cc/transport/socket.h"
+#include "cc/wire.h"
 
 namespace kungfu {
 namespace {
@@ -147,6 +152,55 @@ TEST(Leave, GoodbyeBehindManyMegabytesIsRead) {
     }
   });
   EXPECT_TRUE(left);
+}
+
+// A peer that leaves cleanly closes both its connections, and across two TCP streams the close of the
+// one this worker writes to can arrive before the goodbye on the other (on a real network). A fake rank 1
+// makes that certain here: it closes that stream and sends its goodbye 300 ms later. Rank 0 must take it
+// for a clean leave ("has left the cluster"), not for a crash ("closed the connection").
+TEST(Leave, GoodbyeAfterTheOtherStreamClosedIsStillAGoodbye) {
+  const PeerList peers = testing::LoopbackPeers(2);
+  HandshakeParams hs;
+  hs.token = "test-token";
+  hs.peers = &peers;
+  Fd rank0_writes, rank0_reads;  // the fake rank 1's ends of rank 0's two connections
+  std::thread fake([&] {
+    auto listener = Listen(peers.at(1).port);
+    if (!listener.ok()) return;
+    pollfd pfd{listener.value().get(), POLLIN, 0};
+    if (::poll(&pfd, 1, 10000) != 1) return;
+    Fd accepted(::accept4(listener.value().get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!ServerHandshake(accepted.get(), hs, DeadlineAfter(10)).ok()) return;
+    auto out = ConnectWithRetry(peers.at(0), DeadlineAfter(10));
+    if (!out.ok() || !ClientHandshake(out.value().get(), hs, 1, peers.at(1), DeadlineAfter(10)).ok()) return;
+    rank0_writes = std::move(accepted);
+    rank0_reads = std::move(out.value());
+  });
+  EngineConfig c;
+  c.peers = peers;
+  c.token = "test-token";
+  c.timeout_seconds = 20;
+  auto engine = Engine::Start(c);
+  fake.join();
+  ASSERT_OK(engine.status());
+  ASSERT_TRUE(rank0_writes.valid() && rank0_reads.valid());
+  Waiter w;
+  float x = 1;
+  engine.value()->AllReduce(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "x", w.Callback());
+  rank0_writes = Fd();  // closed first
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  FrameHeader bye;
+  bye.kind = FrameKind::kBye;
+  bye.generation = 0;  // the collectives the fake started: none, so rank 0's "x" can never finish
+  const std::string name = "kungfu/bye";
+  std::vector<uint8_t> frame(kFrameHeaderSize + name.size());
+  EncodeFrameHeader(bye, static_cast<uint32_t>(name.size()), frame.data());
+  std::copy(name.begin(), name.end(), frame.begin() + kFrameHeaderSize);
+  ASSERT_OK(WriteFull(rank0_reads.get(), frame.data(), frame.size(), DeadlineAfter(5)));
+  rank0_reads = Fd();
+  Status s = w.Wait();
+  EXPECT_EQ(CodeName(s.code()), CodeName(Code::kUnavailable));
+  EXPECT_TRUE(s.message().find("left the cluster") != std::string::npos);
 }
 
 TEST(Leave, LaterCollectiveFailsAtOnceNamingTheLeaver) {
