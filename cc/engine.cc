@@ -91,7 +91,20 @@ void Engine::Impl::AcceptLoop() {
     pollfd pfd{listener_.get(), POLLIN, 0};
     if (::poll(&pfd, 1, 100) <= 0) continue;
     Fd fd(::accept4(listener_.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (!fd.valid()) continue;
+    if (!fd.valid()) {
+      // Out of file descriptors (EMFILE), say: the connection stays queued and poll() would report it
+      // again at once, so say so once and wait a little rather than spin.
+      const int err = errno;
+      if (err != EINTR && err != EAGAIN && err != ECONNABORTED) {
+        if (!accept_failing_) {
+          KF_LOG(Warning) << "rank " << rank() << ": accept failed: " << std::strerror(err);
+        }
+        accept_failing_ = true;
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+      continue;
+    }
+    accept_failing_ = false;
     const std::string from = RemoteAddress(fd.get());
     // A bounded handshake: a silent client cannot hold the acceptor for long.
     const double limit = std::min(config_.timeout_seconds, 10.0);

@@ -120,6 +120,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   // that one closes too or at this time, whichever first (see OnConnectionError).
   std::vector<std::optional<Deadline>> judge_at_;
   std::vector<Status> judge_why_;
+  bool accept_failing_ = false;  // acceptor thread only: an accept error was logged
   Status first_dead_;
   uint64_t next_op_id_ = 1;
   std::vector<uint64_t> sent_;  // ops whose frames were written, to report outside op code

@@ -4,13 +4,16 @@
 #include <vector>
 
 #include "cc/sha256.h"
+#include "cc/wire.h"
 
 namespace kungfu {
 
 namespace {
 
 constexpr uint32_t kHelloMagic = 0x5348464b;  // "KFHS"
-constexpr uint16_t kHandshakeVersion = 1;
+// The handshake's own version in the high byte, the frames' (wire.h) in the low one: builds whose frames
+// differ refuse each other here, with a clear error, instead of breaking at the first frame.
+constexpr uint16_t kHandshakeVersion = (1 << 8) | kProtocolVersion;
 constexpr size_t kNonceBytes = 32;
 constexpr size_t kMaxIdBytes = 255;
 
@@ -131,7 +134,11 @@ StatusOr<int> ServerHandshake(int fd, const HandshakeParams& params, Deadline de
   if (!ConstantTimeEqual(expect.data(), proof, 32)) {
     verdict = kBadToken;
     result = PermissionDenied("the job token did not match");
-  } else if (hello.version != kHandshakeVersion || hello.cluster_version != params.cluster_version) {
+  } else if (hello.version != kHandshakeVersion) {
+    verdict = kWrongVersion;
+    result = InvalidArgument("peer speaks protocol " + std::to_string(hello.version) + ", this worker " +
+                             std::to_string(kHandshakeVersion) + ": another build of kungfu");
+  } else if (hello.cluster_version != params.cluster_version) {
     verdict = kWrongVersion;
     result = InvalidArgument("peer works under cluster version " + std::to_string(hello.cluster_version) +
                              ", this worker under " + std::to_string(params.cluster_version));
