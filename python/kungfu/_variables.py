@@ -36,12 +36,16 @@ def _broadcast(collective, variables, root, name):
             v.assign(tf.reshape(part, v.shape))
 
 
+def layout(variables):
+    """The variables' dtypes and shapes, in order, as text: what every worker's copy of a model shares."""
+    return ";".join(f"{tf.as_dtype(v.dtype).name}{list(v.shape)}" for v in variables)
+
+
 def _check_same_variables(collective, variables, name):
     # The broadcast itself checks only the concatenated length; this catches models whose variables
     # differ in shape or order but not in total size.
-    layout = ";".join(f"{tf.as_dtype(v.dtype).name}{list(v.shape)}" for v in variables).encode()
     key = None if name is None else f"{name}/layout"
-    same = collective.consensus(tf.constant(list(layout), tf.uint8), name=key)
+    same = collective.consensus(tf.constant(list(layout(variables).encode()), tf.uint8), name=key)
     message = ("kungfu.broadcast_variables: the workers passed different variables (their dtypes and shapes, "
                "in order, differ); every worker must pass the same model's variables in the same order")
     if tf.executing_eagerly():

@@ -18,6 +18,7 @@ import zlib
 import tensorflow as tf
 
 from .. import _lib
+from .. import _variables
 from . import _reduce
 
 
@@ -44,8 +45,7 @@ def model_key(variables):
     """The store name prefix of a model's copy for pair averaging, from its variables' dtypes and shapes,
     which every worker's copy of the same model shares. (Names would not do: Keras counts automatic
     names, "sgd_1" or "dense_2", per process, so they can differ between workers.)"""
-    layout = ";".join(f"{tf.as_dtype(v.dtype).name}{list(v.shape)}" for v in variables)
-    return f"kungfu/model/{zlib.crc32(layout.encode()):08x}"
+    return f"kungfu/model/{zlib.crc32(_variables.layout(variables).encode()):08x}"
 
 
 def store_name(prefix, dtype):
