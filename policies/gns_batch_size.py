@@ -50,7 +50,8 @@ class GNSBatchSizePolicy(BasePolicy):
         interval: decide every `interval` steps (after_step when step % interval == 0). Default 10.
         factor: target = factor · gns. Default 1.0 (the noise scale itself).
         multiple_of: the batch is a multiple of this; default the cluster size, so every worker gets
-            the same share. Read at every call, so it follows a resize.
+            the same share. Read at every call, so it follows a resize. Bounds that hold no multiple of
+            it are refused: when it is given, at once; the cluster size, in before_train.
         min_gain: change only for a predicted gain in time-to-loss of at least this (0.05: 5%).
         cooldown_steps: steps to wait after a change before the next (the noise-scale EMA and the
             step-time fit need that long to see the new batch). Default 100.
@@ -99,6 +100,18 @@ class GNSBatchSizePolicy(BasePolicy):
         if m is not None and (self.max_batch // m) * m < self.min_batch:
             raise ValueError(f"{who}: no multiple of multiple_of={m} lies in [min_batch={self.min_batch}, "
                              f"max_batch={self.max_batch}]; widen the bounds or change multiple_of")
+
+    def due(self, hook, step):
+        if hook == "before_train":  # the bounds against the cluster size, when that is the multiple
+            return self.multiple_of is None
+        return super().due(hook, step)
+
+    def before_train(self, ctx):
+        m = ctx.cluster_size
+        if self.multiple_of is None and m and (self.max_batch // m) * m < self.min_batch:
+            raise ValueError(f"gns_batch_size: no multiple of the cluster size {m} lies in [min_batch="
+                             f"{self.min_batch}, max_batch={self.max_batch}], so the batch could never move; "
+                             "widen the bounds or pass multiple_of")
 
     def after_step(self, ctx):
         m = ctx.math

@@ -77,6 +77,15 @@ def test_target_is_a_multiple_of_the_cluster_size_or_multiple_of():
     assert state(p).last_target == 96
 
 
+def test_bounds_holding_no_multiple_of_the_cluster_size_are_refused_before_training():
+    p = gns_batch_size(1, 3)
+    assert p.due("before_train", 0)
+    with pytest.raises(ValueError, match="no multiple of the cluster size 4 lies in"):
+        p.before_train(Context(cluster_size=4))
+    gns_batch_size(4, 64).before_train(Context(cluster_size=4))  # fine
+    assert not gns_batch_size(2, 3, multiple_of=2).due("before_train", 0)  # checked when made
+
+
 def test_no_change_below_min_gain_so_the_batch_does_not_churn():
     gain = predicted_gain(1000.0, 0.5, 0.5 / 256, 256, 512)  # the prior at B=256, gns=1000, towards 512
     assert 0.05 < gain < 0.2
