@@ -62,6 +62,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   char* PayloadTarget(int src, const FrameHeader& h, const std::string& name, bool* discard,
                       uint64_t* owner) override;
   void OnFrame(int src, const FrameHeader& h, std::string name, char* data, Buffer owned) override;
+  void SettleReceiving(int src);  // drops what receiving_ charged for src's frame in progress
   void OnConnectionError(int peer, const Status& s);
   void Judge(int peer, const Status& s);  // the peer is gone: close to it, fail what involves it
   void LeaveCleanly() { leave_cleanly_ = true; }
@@ -112,7 +113,12 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   std::map<Key, ActiveOp> ops_;
   std::unordered_map<uint64_t, Key> op_keys_;
   std::map<Key, std::vector<PendingFrame>> pending_;
+  // Bytes held for collectives not started yet, counted against max_pending_bytes: the frames in
+  // pending_ plus, from the moment its header is read, each frame still arriving into a buffer of its
+  // own (receiving_: by rank, the frame being read from that peer's data stream), so that frames
+  // arriving from several peers at once cannot pass the bound together.
   int64_t pending_bytes_ = 0;
+  std::unordered_map<int, int64_t> receiving_;
   std::unordered_map<std::string, uint64_t> next_gen_;
   std::vector<Status> dead_;  // by rank: why a peer is gone (OK while alive)
   std::vector<bool> left_;    // by rank: the peer said goodbye (it is in dead_ too)

@@ -251,8 +251,19 @@ char* Engine::Impl::PayloadTarget(int src, const FrameHeader& h, const std::stri
     std::copy(why.begin(), why.end() + 1, text.get());
     pending_[key].push_back(PendingFrame{kPoisonSource, h, std::move(text)});
     KF_LOG(Warning) << "rank " << rank() << ": " << why;
+    return nullptr;
   }
+  // The connection buffers it; charged now, while it arrives (OnFrame settles it).
+  pending_bytes_ += static_cast<int64_t>(h.payload_bytes);
+  receiving_[src] += static_cast<int64_t>(h.payload_bytes);
   return nullptr;
+}
+
+void Engine::Impl::SettleReceiving(int src) {
+  auto r = receiving_.find(src);
+  if (r == receiving_.end()) return;
+  pending_bytes_ -= r->second;
+  receiving_.erase(r);
 }
 
 void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char* data,
@@ -263,6 +274,7 @@ void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char
   if (h.kind == FrameKind::kRequest) return p2p_.OnRequest(src, h, name);
   if (h.kind == FrameKind::kResponse) return p2p_.OnResponse(src, h, data);
   if (h.kind == FrameKind::kBye) return OnPeerLeft(src, h.generation);
+  SettleReceiving(src);  // counted again below if it stays pending
   const Key key(std::move(name), h.generation);
   auto it = ops_.find(key);
   if (h.cluster_version != config_.peers.version()) {
@@ -308,6 +320,7 @@ void Engine::Impl::OnConnectionError(int peer, const Status& s) {
 
 void Engine::Impl::Judge(int peer, const Status& s) {
   judge_at_[peer].reset();
+  SettleReceiving(peer);  // a frame cut short by the close is never delivered
   const bool judged = !dead_[peer].ok();  // already gone, or left cleanly (OnPeerLeft)
   for (auto* c : {out_[peer].get(), in_[peer].get()}) {
     if (!c) continue;
