@@ -113,6 +113,25 @@ def fit_equals_single_process():
         assert_close(model.get_weights(), reference_weights(make_optimizer), f"model.fit, {make_optimizer.__name__}")
 
 
+@check
+def broadcast_callback_waits_for_a_model_built_on_its_first_batch():
+    """A Sequential without keras.Input has no variables until fit's first step: the callback broadcasts
+    root's model before the second step. It leaves each worker its own dropout random state."""
+    x, y = local_data()
+    keras.utils.set_random_seed(100 + kungfu.rank())
+    model = keras.Sequential([keras.layers.Dense(16, activation="tanh"), keras.layers.Dropout(0.5),
+                              keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(adam()), loss=loss_fn())
+    model.fit(x, y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0,
+              callbacks=[kf_callbacks.BroadcastGlobalVariablesCallback(root=0)])
+    flat = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables + model.optimizer.variables])
+    if not bool(kungfu.consensus(flat, name="unbuilt/model")):
+        raise AssertionError("the workers' models differ after fit with BroadcastGlobalVariablesCallback")
+    mask = model.layers[1](tf.ones([1, 256]), training=True).numpy()
+    if kungfu.size() > 1 and bool(kungfu.consensus(mask, name="unbuilt/dropout")):
+        raise AssertionError("every worker drew the same dropout mask: the broadcast copied the seed state")
+
+
 def _train_custom(step, model):
     x, y = local_data()
     for t in range(STEPS):

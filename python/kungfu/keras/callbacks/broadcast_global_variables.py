@@ -12,8 +12,15 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     optimizer variables (slots, iteration count) to root's.
 
     Workers then start identical even when each built its model from a different random seed, or
-    when root restored a checkpoint the others do not have. Only on_train_begin is overridden, so
+    when root restored a checkpoint the others do not have. A model that Keras builds on its first
+    batch (a subclassed model, a Sequential without keras.Input) has no variables before fit's first
+    step; it is broadcast before the second step instead (as Horovod does), so the first step's
+    update is root's. Only on_train_begin, on_train_batch_begin and on_train_end are overridden, so
     Keras keeps its asynchronous batch dispatch.
+
+    The state of Keras's random seed generators (dropout masks, noise and augmentation layers) is not
+    broadcast: each worker keeps drawing its own random numbers, as one process would for each row of
+    the global batch. Seed the workers differently (e.g. keras.utils.set_random_seed(seed + rank())).
 
     Every fit() also checks that the workers take the same number of steps per epoch (an all-gather
     of fit's step count), unless the optimizer runs pair averaging, which waits for no other worker's
@@ -34,15 +41,43 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         optimizer = getattr(model, "optimizer", None)
         if not isinstance(optimizer, DistributedMixin) or optimizer.strategy != "pair_averaging":
             _check_same_steps(self.params.get("steps"))  # pair averaging waits for no one's step
-        if self._done:
+        self._broadcast_once()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._done:  # the model was built by fit's first step
+            self._broadcast_once()
+
+    def on_train_end(self, logs=None):
+        if not self._done:  # a fit of one step
+            self._broadcast_once()
+
+    def _broadcast_once(self):
+        model = self.model
+        if self._done or not model.built:  # Keras builds it on the first batch
             return
-        variables = list(model.variables)
+        optimizer = getattr(model, "optimizer", None)
+        seeds = _seed_states(model)
+        variables = [v for v in model.variables if id(v) not in seeds]
         if optimizer is not None:
             if not optimizer.built:
                 optimizer.build(model.trainable_variables)
             variables += list(optimizer.variables)
         _variables.broadcast_variables(variables, root=self.root, name="kungfu/broadcast_global_variables")
         self._done = True
+
+
+def _seed_states(model):
+    """ids of the state variables of model's layers' seed generators (Keras counts them as model
+    variables). Reads Keras 3's Layer._flatten_layers and _seed_generators; the dropout check of
+    tests/training_worker.py fails if an upgrade changes them."""
+    import keras
+
+    ids = set()
+    for layer in model._flatten_layers(include_self=True):
+        for g in getattr(layer, "_seed_generators", ()) or ():
+            if isinstance(g, keras.random.SeedGenerator):
+                ids.add(id(g.state))
+    return ids
 
 
 def _check_same_steps(steps):
