@@ -12,9 +12,9 @@ every worker holds the same final model.
 
 --final_epochs=N --final_strategy=sma|ssgd switches every worker to that strategy for the last N
 epochs, from a callback at the same epoch on every worker, as a switch must be (the strategies'
-collectives meet only when every worker runs the same one). Neither brings the models together:
-S-SGD applies the same averaged gradient to each worker's own model (and Adam's per-worker state keeps
-them drifting); SMA moves each model only a fraction (alpha, 0.1) toward the mean at each step.
+collectives meet only when every worker runs the same one). The switch to S-SGD first sets every
+worker's model and Adam's state to the workers' mean, so the spread is 0 from then on; SMA moves each
+model only a fraction (alpha, 0.1) toward the mean at each step, so the models come together gradually.
 """
 
 import os

@@ -304,6 +304,43 @@ def pair_averaging_pairs_models_whatever_the_optimizers_are_named():
         raise AssertionError(f"rank {rank}'s model never moved ({seen}): no peer's copy was found")
 
 
+@check
+def pair_averaging_meets_only_its_own_model_and_phase():
+    """Two models of one layout, each with its own pair averaging optimizer, never average with each
+    other; the switch to S-SGD sets the workers' drifted models to their mean; and after switching back,
+    a peer's copy left from the first phase counts as none (lr 0 throughout: only averaging moves weights)."""
+    rank = kungfu.rank()
+
+    def make(value):
+        v = tf.Variable(tf.fill([3], value))
+        opt = kungfu.optimizers.PairAveragingOptimizer(keras.optimizers.SGD(0.0))
+        return v, opt, tf.function(lambda: opt.apply_gradients([(tf.zeros([3]), v)]))
+
+    def run(step, steps, tag):
+        for i in range(steps):
+            step()
+            kungfu.barrier(name=f"pair-phase/{tag}/{i}")  # every copy published before the next requests
+
+    a, opt_a, step_a = make(1.0)
+    b, _, step_b = make(100.0)
+    for i in range(3):
+        run(step_a, 1, f"a{i}")
+        run(step_b, 1, f"b{i}")
+    if not (np.all(a.numpy() == 1.0) and np.all(b.numpy() == 100.0)):
+        raise AssertionError(f"two models of one layout averaged with each other: {a.numpy()}, {b.numpy()}")
+    a.assign(tf.fill([3], float(rank)))  # phase 1: the workers' models differ, and their copies too
+    run(step_a, 2, "first")
+    opt_a.strategy = "ssgd"
+    run(step_a, 1, "ssgd")
+    if not bool(kungfu.consensus(a.numpy(), name="pair-phase/synced")):
+        raise AssertionError(f"after the switch to S-SGD the workers' models still differ: {a.numpy()}")
+    a.assign(tf.fill([3], 5.0))  # the same on every worker; the stores still hold phase 1's copies
+    opt_a.strategy = "pair_averaging"
+    run(step_a, 2, "second")
+    if not np.all(a.numpy() == 5.0):
+        raise AssertionError(f"after switching back, a copy from the earlier phase was averaged in: {a.numpy()}")
+
+
 def _bytes_sent(fn):
     """fn's result and the payload bytes this worker's engine sent while it ran."""
     from kungfu import _lib

@@ -7,12 +7,21 @@ its own gradients. Workers stay close without exchanging gradients; each learns 
 Pair averaging (AD-PSGD, Lian et al. 2018): every worker publishes its model in its local store
 after each step (KfSaveVariable) and, before the next, fetches the latest model of one random peer
 (KfRequestVariable) and averages with it, v <- (v + v_peer) / 2. The peer's engine answers from its
-store; the peer's own training step takes no part, so no worker waits for another's step. A peer
-that has published nothing yet (the first step, or just after a switch to this strategy) answers
-"none", and the worker keeps its own model for that step. The model travels as one flat tensor per
-dtype, so each step makes one request per dtype, not one per variable.
+store; the peer's own training step takes no part, so no worker waits for another's step. The model
+travels as one flat tensor per dtype, so each step makes one request per dtype, not one per variable.
+
+Which copy is the right one. Each copy is stored under its model's store_prefix: the model's layout
+(dtypes and shapes) and which wrapped optimizer over that layout this is in the process (0, 1, ...),
+so two models of one architecture (an ensemble, a teacher and a student, a second run in one process)
+never meet. Each copy also ends with a tag, one more element: the step at which the current pair
+averaging phase began, the same on every worker since all switch at the same step. A copy with
+another tag, left from an earlier phase before a switch away and back, counts as none. A peer that has
+published nothing in this phase yet (the first step, or just after a switch to this strategy)
+answers none, and the worker keeps its own model for that step.
 """
 
+import collections
+import threading
 import zlib
 
 import tensorflow as tf
@@ -41,15 +50,40 @@ def _flat(group):
     return tf.concat([tf.reshape(tf.convert_to_tensor(v), [-1]) for v in group], axis=0)
 
 
+_lock = threading.Lock()
+_instances = collections.Counter()  # layout key -> wrapped optimizers given a prefix for it so far
+
+
 def model_key(variables):
-    """The store name prefix of a model's copy for pair averaging, from its variables' dtypes and shapes,
-    which every worker's copy of the same model shares. (Names would not do: Keras counts automatic
-    names, "sgd_1" or "dense_2", per process, so they can differ between workers.)"""
+    """A model's layout as a short key: its variables' dtypes and shapes, which every worker's copy of
+    the same model shares. (Names would not do: Keras counts automatic names, "sgd_1" or "dense_2", per
+    process, so they can differ between workers.)"""
     return f"kungfu/model/{zlib.crc32(_variables.layout(variables).encode()):08x}"
+
+
+def new_store_prefix(variables):
+    """The store name prefix of one wrapped optimizer's copies: model_key plus how many optimizers over
+    the same layout this process gave a prefix before, the same count on every worker running the same
+    program."""
+    key = model_key(variables)
+    with _lock:
+        n = _instances[key]
+        _instances[key] += 1
+    return f"{key}/{n}"
 
 
 def store_name(prefix, dtype):
     return f"{prefix}/{dtype}"
+
+
+# The tag is stored in the model's own dtype, which holds integers exactly up to these.
+_TAG_MODULUS = {tf.float16: 2048, tf.bfloat16: 256}
+
+
+def _tagged(group, dtype, phase):
+    flat = _flat(group)
+    tag = tf.cast(tf.math.floormod(tf.cast(phase, tf.int64), _TAG_MODULUS.get(flat.dtype, 1 << 24)), flat.dtype)
+    return tf.concat([flat, tf.reshape(tag, [1])], axis=0)
 
 
 def random_peer(step):
@@ -60,23 +94,32 @@ def random_peer(step):
     return (rank + offset) % size
 
 
-def pair_average(variables, prefix, step):
-    """v <- (v + the same variable in a random peer's store) / 2; unchanged if the peer has none yet."""
+def pair_average(variables, prefix, step, phase):
+    """v <- (v + the same variable in a random peer's store) / 2; unchanged if the peer has no copy of
+    this phase (the step at which it began) yet."""
     from ..ops import p2p
 
     target = random_peer(step)
     for dtype, group in _by_dtype(variables):
-        mine = _flat(group)
+        mine = _tagged(group, dtype, phase)
         theirs, _ = p2p.request_variable(target, mine, name=store_name(prefix, dtype))
-        averaged = (mine + theirs) * tf.cast(0.5, mine.dtype)
+        same_phase = tf.equal(theirs[-1], mine[-1])  # no copy at all: theirs is mine, and so is the tag
+        averaged = tf.where(same_phase, (mine[:-1] + theirs[:-1]) * tf.cast(0.5, mine.dtype), mine[:-1])
         sizes = [v.shape.num_elements() for v in group]
         for v, part in zip(group, tf.split(averaged, sizes)):
             v.assign(tf.reshape(part, v.shape))
 
 
-def publish(variables, prefix):
-    """Saves this worker's model in its store, for its peers' pair averaging."""
+def publish(variables, prefix, phase):
+    """Saves this worker's model, tagged with its phase, in its store, for its peers' pair averaging."""
     from ..ops import p2p
 
     for dtype, group in _by_dtype(variables):
-        p2p.save_variable(_flat(group), name=store_name(prefix, dtype))
+        p2p.save_variable(_tagged(group, dtype, phase), name=store_name(prefix, dtype))
+
+
+def average_variables(variables, fusion_bytes):
+    """v <- mean over workers of v, all at once: the same bits on every worker."""
+    values = [tf.convert_to_tensor(v) for v in variables]
+    for v, m in zip(variables, _reduce.mean_tensors(values, fusion_bytes)):
+        v.assign(m)

@@ -10,7 +10,8 @@ apply(). Wrapping an optimizer that has been used keeps its state: build() copie
 
 How a step runs. apply() builds the three strategies' work as the branches of one tf.switch_case on
 a strategy variable (an int32 tf.Variable), then lets the base optimizer apply the gradients:
-  ssgd: gradients <- their mean over workers (all-reduce; sparse ones all-gathered);
+  ssgd: gradients <- their mean over workers (all-reduce; sparse ones all-gathered); at the first
+        step after another strategy, the model and the optimizer's slots are first set to their mean;
   sma:  variables move toward the workers' mean (all-reduce of the model); own gradients;
   pair_averaging: variables averaged with a random peer's published model; own gradients; after
         the update, the model is published (a second switch, on the same variable).
@@ -60,6 +61,11 @@ class _Settings:
         with tf.init_scope(), tf.device("CPU:0"):  # may be wrapped inside a tf.function
             self.strategy = tf.Variable(strategy_index(strategy), trainable=False, dtype=tf.int32,
                                         name="kungfu_strategy")
+            # The strategy of the latest exchange (-1: none yet), and the step at which the current
+            # pair averaging phase began (its copies' tag, see _averaging.py).
+            self.last_strategy = tf.Variable(-1, trainable=False, dtype=tf.int32, name="kungfu_last_strategy")
+            self.pair_since = tf.Variable(0, trainable=False, dtype=tf.int64, name="kungfu_pair_since")
+        self.store_prefix = None  # pair averaging's, given when the exchange is first traced
         self.alpha = alpha
         self.fusion_bytes = fusion_bytes
         self.sparse_as_dense = sparse_as_dense
@@ -211,7 +217,23 @@ class DistributedMixin:
         if kf.sparse_as_dense:  # before the branches, which must all return the same structure
             g_live = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in g_live]
 
+        if kf.store_prefix is None:
+            kf.store_prefix = _averaging.new_store_prefix(variables)
+        current, last = kf.strategy.read_value(), kf.last_strategy.read_value()
+        switched = tf.logical_and(tf.not_equal(current, last), tf.greater_equal(last, 0))
+        pair_index = strategy_index("pair_averaging")
+        entering_pair = tf.logical_and(tf.equal(current, pair_index), tf.not_equal(last, pair_index))
+        phase = kf.pair_since.assign(tf.where(entering_pair, tf.cast(self.iterations, tf.int64), kf.pair_since))
+        kf.last_strategy.assign(current)
+
         def ssgd():
+            # Coming from another strategy, the workers' models (and optimizer states) have drifted
+            # apart, and the same mean gradient would keep them apart: start from their mean.
+            synced = tf.cond(switched, lambda: self._kungfu_average_state(v_live), lambda: tf.constant(False))
+            with tf.control_dependencies([synced]):
+                return ssgd_step()
+
+        def ssgd_step():
             m = kf.monitors
             if m is None or not m.reduces:
                 return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
@@ -239,14 +261,22 @@ class DistributedMixin:
             return g_live
 
         def pair():
-            _averaging.pair_average(v_live, _averaging.model_key(variables), self.iterations)
+            _averaging.pair_average(v_live, kf.store_prefix, self.iterations, phase)
             return g_live
 
-        new = tf.switch_case(kf.strategy.read_value(), [ssgd, sma, pair])
+        new = tf.switch_case(current, [ssgd, sma, pair])
         out = list(grads)
         for i, g in zip(live, new):
             out[i] = g
         return out
+
+    def _kungfu_average_state(self, variables):
+        """Sets the model's variables and this optimizer's float state (its slots: momenta, moments)
+        to their mean over the workers; returns True."""
+        skip = {id(self._iterations), id(getattr(self, "_learning_rate", None))}
+        state = [v for v in self.variables if id(v) not in skip and tf.as_dtype(v.dtype).is_floating]
+        _averaging.average_variables(list(variables) + state, self._kungfu.fusion_bytes)
+        return tf.constant(True)
 
     def _kungfu_publish(self, variables, is_update=None):
         is_pair = tf.equal(self._kungfu.strategy, strategy_index("pair_averaging"))
@@ -254,7 +284,7 @@ class DistributedMixin:
             is_pair = tf.logical_and(is_pair, is_update)
 
         def publish():
-            _averaging.publish(variables, _averaging.model_key(variables))
+            _averaging.publish(variables, self._kungfu.store_prefix, self._kungfu.pair_since.read_value())
             return tf.constant(True)
 
         tf.cond(is_pair, publish, lambda: tf.constant(False))
