@@ -291,3 +291,39 @@ def test_loss_scale_optimizer_must_be_inside():
         assert int(opt.iterations) > 0
     finally:
         keras.mixed_precision.set_global_policy(policy)
+
+
+class _HalvingSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """A schedule no one registered with Keras: its config alone cannot rebuild it."""
+
+    def __call__(self, step):
+        return 0.1 / (1.0 + tf.cast(step, tf.float32))
+
+    def get_config(self):
+        return {}
+
+
+def test_wrapping_keeps_what_a_config_cannot_carry():
+    """A custom schedule, a callable rate, AdamW's weight-decay exclusions and a LossScaleOptimizer's
+    inner schedule all reach the wrapper as the user made them."""
+    schedule = _HalvingSchedule()
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(schedule))
+    assert opt._learning_rate is schedule
+    def step_rate():
+        return 0.25
+
+    assert optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(step_rate))._learning_rate is step_rate
+
+    adamw = keras.optimizers.AdamW(0.1, weight_decay=0.5)
+    kept = keras.Variable(np.ones(2, np.float32), name="kept_bias")
+    adamw.exclude_from_weight_decay(var_list=[kept], var_names=["bias"])
+    wrapped = optimizers.SynchronousSGDOptimizer(adamw)
+    decayed = keras.Variable(np.ones(2, np.float32), name="decayed_kernel")
+    wrapped.apply_gradients([(tf.zeros(2), kept), (tf.zeros(2), decayed)])
+    np.testing.assert_allclose(kept.numpy(), [1.0, 1.0])  # excluded: a zero gradient leaves it alone
+    assert (decayed.numpy() < 1.0).all()
+
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(schedule))
+    wrapped = optimizers.SynchronousSGDOptimizer(lso)
+    assert isinstance(wrapped, keras.optimizers.LossScaleOptimizer)
+    assert wrapped.inner_optimizer._learning_rate is schedule

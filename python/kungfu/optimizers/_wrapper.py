@@ -2,7 +2,8 @@
 between any two steps.
 
 How it wraps. DistributedOptimizer(opt) makes a subclass of type(opt) with DistributedMixin in
-front and builds a new instance from opt.get_config() (as Horovod does): the result *is* an Adam (or
+front and builds a new instance from opt.get_config() (as Horovod does; a learning-rate schedule or
+callable is handed over as is, see _rebuild): the result *is* an Adam (or
 whatever opt was) to Keras, so model.compile, model.fit, checkpoints and learning-rate schedules
 work unchanged. The subclass keeps the base class's name and module, so a model saved with it loads
 with the plain base optimizer. Only build() and apply() are overridden; apply_gradients() goes through
@@ -357,7 +358,7 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
         cls = type(base.__name__, (DistributedMixin, base), {"__module__": base.__module__,
                                                               "__qualname__": base.__qualname__})
         _classes[base] = cls
-    wrapped = cls.from_config(optimizer.get_config())
+    wrapped = _rebuild(optimizer, cls)
     wrapped._kungfu = _Settings(strategy, float(alpha), fusion_bytes, bool(sparse_as_dense), compression)
     if optimizer.built:  # a used optimizer (e.g. one keras.models.load_model restored): keep its state
         wrapped._kungfu.state_from = list(optimizer.variables)
@@ -374,6 +375,29 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     elif dataset is not None:
         raise ValueError("DistributedOptimizer: dataset= is for policies=[...]")
     return wrapped
+
+
+def _rebuild(optimizer, cls):
+    """A new cls with optimizer's settings: its get_config(), except that a learning-rate schedule or
+    callable is passed as the object itself (a config cannot always rebuild it: an unregistered schedule
+    class, a lambda), a LossScaleOptimizer's inner optimizer is rebuilt the same way, and AdamW's (or any
+    optimizer's) exclude_from_weight_decay() choices, which the config lacks, are kept."""
+    import keras
+
+    config = optimizer.get_config()
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        config.pop("inner_optimizer")
+        inner = optimizer.inner_optimizer
+        new = cls(_rebuild(inner, type(inner)), **config)
+    else:
+        lr = getattr(optimizer, "_learning_rate", None)
+        if lr is not None and not isinstance(lr, keras.Variable):
+            config["learning_rate"] = lr
+        new = cls.from_config(config)
+    for attr in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
+        if attr in vars(optimizer):
+            setattr(new, attr, getattr(optimizer, attr))
+    return new
 
 
 def _copy_state(source, wrapped):
