@@ -24,6 +24,7 @@ from kungfu import optimizers  # noqa: E402
 from kungfu.errors import PolicyError  # noqa: E402
 import kungfu.policies as kp  # noqa: E402
 from kungfu.policies import BasePolicy  # noqa: E402
+from kungfu.policies.context import state_values  # noqa: E402
 
 FEATURES, CLASSES = 6, 3
 
@@ -238,6 +239,31 @@ def policies_compiled_into_the_optimizer_act_at_the_same_step():
     assert rows[:, 2].tolist() == [0] + [1] * 7, rows[:, 2].tolist()
 
 
+class MeanStepTime(BasePolicy):
+    """A compiled policy that reads an all-reduced metric every step: a collective in the step's graph."""
+
+    compilable = True
+
+    def after_step(self, ctx):
+        ctx.state(self, step_time=0.0).update(step_time=ctx.metrics["step_time"])
+
+
+def compiled_policies_meet_when_keras_names_the_optimizers_differently():
+    """Rank 0 makes one more Keras optimizer first, so Keras names the wrapped one "sgd_1" there and
+    "sgd" elsewhere: the compiled policy's collectives must still meet."""
+    if kungfu.rank() == 0:
+        keras.optimizers.SGD(0.1)
+    policy = MeanStepTime()
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1), monitor=["variance"],
+                                              policies=[policy])
+    assert (opt.name == "sgd_1") == (kungfu.rank() == 0), opt.name
+    model = compiled_model(opt)
+    x, y = data(16 * kungfu.size())
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0)
+    mean = same_everywhere([state_values(policy)["step_time"]], "the mean step time the policy saw")
+    assert mean[0] > 0, mean
+
+
 def main():
     kungfu.init()
     checks = [strategy_and_learning_rate_change_at_the_same_step,
@@ -245,7 +271,8 @@ def main():
               a_policy_raising_on_one_worker_raises_on_every_worker,
               batch_size_change_lands_at_the_same_step_in_fit,
               compiled_gns_policy_decides_as_the_python_hook,
-              policies_compiled_into_the_optimizer_act_at_the_same_step]
+              policies_compiled_into_the_optimizer_act_at_the_same_step,
+              compiled_policies_meet_when_keras_names_the_optimizers_differently]
     mp.run_checks(checks, kungfu.rank())
 
 

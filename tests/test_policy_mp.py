@@ -20,7 +20,8 @@ CHECKS = ["strategy_and_learning_rate_change_at_the_same_step",
           "a_policy_raising_on_one_worker_raises_on_every_worker",
           "batch_size_change_lands_at_the_same_step_in_fit",
           "compiled_gns_policy_decides_as_the_python_hook",
-          "policies_compiled_into_the_optimizer_act_at_the_same_step"]
+          "policies_compiled_into_the_optimizer_act_at_the_same_step",
+          "compiled_policies_meet_when_keras_names_the_optimizers_differently"]
 
 
 @pytest.mark.parametrize("np_", [2, 4])

@@ -19,7 +19,9 @@ same on every worker; step_time and samples_per_sec are all-reduced (mean) when 
 as the Python runners do. A compiled policy cannot read the loss (the step's outputs are the user's).
 """
 
+import collections
 import math
+import threading
 
 import tensorflow as tf
 
@@ -32,6 +34,11 @@ from ..policies.context import strategy_name
 from .controls import is_distributed
 
 F = tf.float64
+
+# How many CompiledPolicies each label (a rewritten step's function name, or "optimizer") has had in
+# this process: the count orders them the same way on every worker running the same program.
+_instances = collections.Counter()
+_lock = threading.Lock()
 
 
 def _read(var):
@@ -241,9 +248,11 @@ def _lr_settable(controls):
 
 class CompiledPolicies:
     """The policies of one kungfu.rewrite call (or one DistributedOptimizer), compiled into its step;
-    shared by all its traces. who: the caller, for messages."""
+    shared by all its traces. label: names their collectives together with a per-label count (so
+    two steps named alike, or optimizers Keras named "sgd" on one worker and "sgd_1" on another,
+    still meet their own counterparts); who: the caller, for messages."""
 
-    def __init__(self, policies, controls, name, who="kungfu.rewrite"):
+    def __init__(self, policies, controls, label, who="kungfu.rewrite"):
         self.policies = base.check_policies(policies, who)
         for p in self.policies:
             if not p.compilable:
@@ -251,7 +260,9 @@ class CompiledPolicies:
                                  "is False); run it as a Python hook with kungfu.PolicyRunner or "
                                  "kungfu.keras.PolicyCallback")
         self.controls = controls
-        self.name = name
+        with _lock:
+            self.name = f"{label}/{_instances[label]}"
+            _instances[label] += 1
         with tf.init_scope(), tf.device("CPU:0"):
             self.step = tf.Variable(0, trainable=False, dtype=tf.int64, name="kungfu_policy_step")
             self.stop_flag = tf.Variable(False, trainable=False, name="kungfu_policy_stop")

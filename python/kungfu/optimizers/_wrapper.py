@@ -371,7 +371,7 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
 
         controls = Controls("DistributedOptimizer", optimizer=wrapped, dataset=dataset,
                             monitors=wrapped._kungfu.monitors)
-        wrapped._kungfu.policies = CompiledPolicies(policies, controls, wrapped.name, "DistributedOptimizer")
+        wrapped._kungfu.policies = CompiledPolicies(policies, controls, "optimizer", "DistributedOptimizer")
     elif dataset is not None:
         raise ValueError("DistributedOptimizer: dataset= is for policies=[...]")
     return wrapped
