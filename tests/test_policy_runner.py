@@ -96,6 +96,38 @@ def test_python_hook_and_compiled_policy_decide_the_same_at_the_same_steps():
                                                                     (10, "after_step", ["stop"])]
 
 
+class RateByEpoch(BasePolicy):
+    compilable = True
+
+    def after_step(self, ctx):
+        ctx.set_learning_rate(0.01 * (ctx.epoch + 1))
+
+
+def test_a_compiled_policy_sees_the_epoch_index_the_python_hook_sees():
+    """ctx.epoch is the index of the epoch in progress, from 0, in the graph as in the Python hook."""
+    def run(compiled):
+        model, x, y = model_and_data()
+        opt = keras.optimizers.SGD(0.5)
+        ds = kungfu.data.AdaptiveDataset((x, y), global_batch_size=8, shuffle=False)
+        step = step_fn(model, opt)
+        if compiled:
+            step = kungfu.rewrite(step, policies=[RateByEpoch()], optimizer=opt, dataset=ds)
+            runner = kungfu.PolicyRunner([], dataset=ds)  # no policies: keeps the same loop below
+        else:
+            runner = kungfu.PolicyRunner([RateByEpoch()], optimizer=opt, dataset=ds)
+        rates = []
+        for _ in range(2):
+            runner.before_epoch()
+            for xb, yb in ds.as_dataset():
+                step(xb, yb)
+                runner.after_step()
+                rates.append(round(float(opt.learning_rate.numpy()), 6))
+            runner.after_epoch()
+        return rates
+
+    assert run(compiled=False) == run(compiled=True) == [0.01, 0.01, 0.02, 0.02]
+
+
 def test_hooks_are_called_in_order_with_step_and_epoch():
     rec = Recorder()
     runner = kungfu.PolicyRunner([rec])

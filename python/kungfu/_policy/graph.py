@@ -190,7 +190,8 @@ class GraphContext:
         ds = self._controls.dataset
         if ds is None:
             raise PolicyError("ctx.epoch is not known to a policy compiled into the graph without dataset=")
-        return tf.cast(ds.epoch_variable.read_value(), F)
+        # The dataset counts epochs started (1 in the first); ctx.epoch is the epoch's index, from 0.
+        return tf.cast(tf.maximum(ds.epoch_variable.read_value() - 1, 0), F)
 
     @property
     def samples_seen(self):
