@@ -344,3 +344,28 @@ def test_policies_compiled_into_the_optimizer_switch_strategy_and_rate_in_fit():
     assert seen == [("ssgd", 0.1)] * 2 + [("sma", 0.1)] * 2 + [("sma", 0.05)] * 4
     with pytest.raises(ValueError, match="DistributedOptimizer: policy Recorder is not compilable"):
         optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1), policies=[Recorder()])
+
+
+class SetRate(BasePolicy):
+    compilable = True
+
+    def after_step(self, ctx):
+        ctx.set_learning_rate(0.05)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_policy_sets_the_rate_a_loss_scale_optimizer_trains_with(compiled):
+    """Mixed precision as docs/training.md wraps it: the rate that counts is the inner optimizer's."""
+    model, x, y = model_and_data()
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    opt = optimizers.SynchronousSGDOptimizer(lso, policies=[SetRate()] if compiled else None)
+    step = step_fn(model, opt)
+    if compiled:  # into the optimizer's step
+        step(x, y)
+    else:
+        runner = kungfu.PolicyRunner([SetRate()], optimizer=opt)
+        step(x, y)
+        runner.after_step()
+        assert runner.controls.learning_rate() == pytest.approx(0.05)
+    assert float(opt.inner_optimizer.learning_rate.numpy()) == pytest.approx(0.05)
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.05)

@@ -25,9 +25,12 @@ def is_distributed(optimizer):
 
 
 def _lr_variable(optimizer):
-    """The optimizer's learning-rate variable, or None when it has a schedule or a callable."""
+    """The optimizer's learning-rate variable, or None when it has a schedule or a callable. A
+    LossScaleOptimizer's is its inner optimizer's: that is the rate its steps use."""
     import keras
 
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
     lr = getattr(optimizer, "_learning_rate", None)
     return lr if isinstance(lr, keras.Variable) else None
 
