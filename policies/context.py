@@ -119,11 +119,10 @@ def _check_lr(lr):
 
 def strategy_name(strategy):
     """A strategy's name, from its name or its index in STRATEGIES; ValueError otherwise."""
-    if isinstance(strategy, numbers.Integral) and not isinstance(strategy, bool) and 0 <= strategy < len(STRATEGIES):
-        return STRATEGIES[strategy]
-    if isinstance(strategy, numbers.Real) and float(strategy).is_integer():
-        return strategy_name(int(strategy))
-    if strategy in STRATEGIES:
+    if isinstance(strategy, numbers.Real) and not isinstance(strategy, bool):
+        if _math.isfinite(strategy) and float(strategy).is_integer() and 0 <= int(strategy) < len(STRATEGIES):
+            return STRATEGIES[int(strategy)]
+    elif isinstance(strategy, str) and strategy in STRATEGIES:
         return strategy
     raise ValueError(f"set_strategy: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
 

@@ -56,6 +56,11 @@ def test_any_trigger_wins_and_warmup_delays_the_thresholds_only():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(), "give a trigger: at_step=, gns_above= or snr_below="),
     (dict(to="allreduce", at_step=5), "unknown strategy 'allreduce'"),
+    (dict(to=3, at_step=5), "unknown strategy 3"),  # an index past the end (once a RecursionError)
+    (dict(to=-1, at_step=5), "unknown strategy -1"),
+    (dict(to=True, at_step=5), "unknown strategy True"),  # not the index 1
+    (dict(to=1.5, at_step=5), "unknown strategy 1.5"),
+    (dict(to=float("nan"), at_step=5), "unknown strategy nan"),
     (dict(at_step=0), "at_step must be a whole number >= 1"),
     (dict(gns_above=-1), "gns_above must be a finite number > 0"),
     (dict(snr_below=float("inf")), "snr_below must be a finite number > 0"),
@@ -64,6 +69,10 @@ def test_any_trigger_wins_and_warmup_delays_the_thresholds_only():
 def test_validation_names_the_fix(kwargs, match):
     with pytest.raises(ValueError, match=match):
         strategy_switch(**kwargs)
+
+
+def test_a_strategy_is_a_name_or_its_index():
+    assert strategy_switch(1, at_step=5).to == strategy_switch(1.0, at_step=5).to == "sma"
 
 
 def test_repr_and_compilable():
