@@ -8,6 +8,8 @@ model on its own random data with SynchronousSGDOptimizer(monitor=[...]):
 - gns_matches_reference: the wrapper's gns, grad_variance and snr equal tests/monitor_reference.py fed
   with the same squared norms: the workers' mean local |g|^2 (gathered with kungfu.all_gather) and
   the squared norm of the all-reduced gradient;
+- gns_matches_reference_under_a_loss_scale: the same inside a LossScaleOptimizer, on the gradients
+  without the loss scale; a step whose gradients overflow on one worker leaves the monitors alone;
 - workers_agree: latest()'s gns, grad_variance and snr are bit-identical on every worker;
 - fit_with_monitor_callback: model.fit with MonitorCallback logs gns and grad_variance per epoch, the
   same on every worker;
@@ -36,9 +38,12 @@ from monitor_reference import GradientNoiseScale  # noqa: E402
 BATCH, FEATURES, CLASSES, STEPS = 8, 6, 3, 12
 
 
-def setup(monitor_interval=1, local_batch_size=BATCH, sparse=False):
+def setup(monitor_interval=1, local_batch_size=BATCH, sparse=False, loss_scale=False):
     """sparse: the model starts with an Embedding, whose gradient is an IndexedSlices (the wrapper then
-    carries the local squared norm in the bucket instead of taking both norms from the all-reduce)."""
+    carries the local squared norm in the bucket instead of taking both norms from the all-reduce).
+    loss_scale: mixed-precision style, SynchronousSGDOptimizer(LossScaleOptimizer(SGD)), the loss scaled
+    by opt.scale_loss; the step returns the squared norms of the unscaled gradients. The step's third
+    argument multiplies the loss (inf: an overflow)."""
     keras.utils.set_random_seed(1)  # the same model on every worker
     if sparse:
         model = keras.Sequential([keras.Input((FEATURES,), dtype="int32"), keras.layers.Embedding(20, 4),
@@ -46,7 +51,10 @@ def setup(monitor_interval=1, local_batch_size=BATCH, sparse=False):
     else:
         model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(8, activation="tanh"),
                                   keras.layers.Dense(CLASSES)])
-    opt = kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.05), monitor=["gns", "variance", "snr"],
+    base = keras.optimizers.SGD(0.05)
+    if loss_scale:
+        base = keras.optimizers.LossScaleOptimizer(base)
+    opt = kungfu.optimizers.SynchronousSGDOptimizer(base, monitor=["gns", "variance", "snr"],
                                                     monitor_interval=monitor_interval,
                                                     local_batch_size=local_batch_size)
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -58,13 +66,18 @@ def setup(monitor_interval=1, local_batch_size=BATCH, sparse=False):
     traces = []
 
     @tf.function
-    def step(x, y):
+    def step(x, y, factor=tf.constant(1.0)):
         traces.append(1)
         with tf.GradientTape() as tape:
-            value = loss(y, model(x, training=True))
+            value = loss(y, model(x, training=True)) * factor
+            if loss_scale:
+                value = opt.scale_loss(value)
         grads = tape.gradient(value, model.trainable_variables)
-        local_sq = monitor_ops.squared_norm(grads)  # as the wrapper computes it
-        dense = [tf.convert_to_tensor(g) for g in grads]
+        if loss_scale:  # the scale scale_loss used: built, the optimizer's variable
+            scale = opt.dynamic_scale if opt.built else opt.initial_scale
+        true = [g / scale for g in grads] if loss_scale else grads
+        local_sq = monitor_ops.squared_norm(true)  # as the wrapper computes it
+        dense = [tf.convert_to_tensor(g) for g in true]
         global_sq = monitor_ops.squared_norm(kungfu.group_all_reduce(dense, op="mean"))
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return local_sq, global_sq
@@ -81,13 +94,26 @@ def close(got, want, what, rtol=2e-3):
 CHECKS = []
 
 
-def check_gns_against_reference(sparse):
-    opt, step, batches, _ = setup(sparse=sparse)
+OVERFLOW_STEP = 6  # with loss_scale: rank 1's gradients are inf there, so every worker skips the step
+
+
+def check_gns_against_reference(sparse, loss_scale=False):
+    opt, step, batches, _ = setup(sparse=sparse, loss_scale=loss_scale)
     m = opt._kungfu.monitors
     ref = GradientNoiseScale(alpha=0.1)
     n, b = kungfu.size(), float(BATCH)
     nonzero = 0
     for t, (x, y) in enumerate(batches):
+        if loss_scale and t == OVERFLOW_STEP:
+            def estimates():
+                return {k: v for k, v in kungfu.monitor.latest(opt).items() if k in ("gns", "grad_variance", "snr")}
+
+            before, scale = estimates(), float(opt.dynamic_scale.numpy())
+            step(x, y, tf.constant(float("inf") if kungfu.rank() == 1 else 1.0))
+            if estimates() != before or float(opt.dynamic_scale.numpy()) != scale / 2:
+                raise AssertionError(f"an overflow step changed the monitors {before} -> {estimates()} "
+                                     f"or did not halve the loss scale {scale}")
+            continue
         local_sq, global_sq = step(x, y)
         mean_local = float(np.mean(kungfu.all_gather(tf.reshape(local_sq, [1])).numpy().astype(np.float64)))
         gns, g_sq, trace = ref.update(mean_local, float(global_sq), b, n * b)
@@ -113,6 +139,11 @@ def gns_matches_reference():  # both squared norms from the all-reduce (KfGroupA
 @CHECKS.append
 def gns_matches_reference_with_a_sparse_gradient():  # the local norm rides in the bucket
     check_gns_against_reference(sparse=True)
+
+
+@CHECKS.append
+def gns_matches_reference_under_a_loss_scale():  # the monitors measure the unscaled gradients
+    check_gns_against_reference(sparse=False, loss_scale=True)
 
 
 @CHECKS.append

@@ -46,16 +46,17 @@ def dense(indices, rows):
     return m
 
 
-def reference(grads, batches, interval, alpha):
+def reference(grads, batches, interval, alpha, unpaired=()):
     """The values latest() must report after each step, and the update count, computed in numpy:
     a due step t (t % interval == 0) with the copy of step t - 1 (kept when t % interval == 0, at the
-    same batch size) updates the EMAs with |g_t|^2 and |(g_t + g_{t-1}) / 2|^2 at batches b and 2b."""
+    same batch size) updates the EMAs with |g_t|^2 and |(g_t + g_{t-1}) / 2|^2 at batches b and 2b.
+    unpaired: steps whose copy of the step before does not count for another reason."""
     gns_model, values, count = ref.GradientNoiseScale(alpha), [], 0
     gns = variance = snr = 0.0
     for t, (indices, rows, vec) in enumerate(grads):
         g = np.concatenate([dense(indices, rows).ravel(), vec])
         b = batches[t]
-        if t % interval == 0 and t >= 1 and b == batches[t - 1]:
+        if t % interval == 0 and t >= 1 and b == batches[t - 1] and t not in unpaired:
             p = np.concatenate([dense(*grads[t - 1][:2]).ravel(), grads[t - 1][2]])
             small, big, prev = np.sum(g ** 2), np.sum(((g + p) / 2) ** 2), np.sum(p ** 2)
             gns_model.update(small, big, b, 2 * b)
@@ -95,6 +96,40 @@ def test_wrapper_matches_the_reference(interval, sparse):
         check_values(kungfu.monitor.latest(opt), want[t], t)
     assert kungfu.monitor.update_count(opt) == count == opt._kungfu.monitors.update_count()
     assert want[-1][0] > 0  # the reference itself made estimates
+
+
+def test_inside_a_loss_scale_optimizer_the_monitors_see_the_unscaled_gradients():
+    """Mixed precision: apply() gets the gradients times the loss scale. The monitors must match the
+    reference on the gradients themselves, leave a step whose gradients overflowed out, and not pair
+    gradients taken at two different scales (the overflow halves the scale)."""
+    grads = synthetic(13, seed=7)
+    matrix, vector = tf.Variable(tf.zeros([ROWS, COLS])), tf.Variable(tf.zeros([COLS]))
+    # The scale doubles after every 4 finite steps: in the apply() of steps 3 and 7.
+    lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.0), dynamic_growth_steps=4)
+    opt = optimizers.SynchronousSGDOptimizer(lso, monitor=MONITORS, local_batch_size=16, monitor_alpha=0.25)
+
+    @tf.function
+    def step(indices, rows, vec):
+        scale = opt.dynamic_scale if opt.built else opt.initial_scale  # what scale_loss multiplies by
+        g = tf.convert_to_tensor(tf.IndexedSlices(rows, indices, tf.constant([ROWS, COLS])))
+        opt.apply_gradients([(g * scale, matrix), (vec * scale, vector)])
+
+    want, count = reference(grads[:10], [16.0] * 10, 1, 0.25, unpaired=(4, 8))
+    for t, (indices, rows, vec) in enumerate(grads[:10]):
+        step(indices, rows, vec)
+        check_values(kungfu.monitor.latest(opt), want[t], t)
+    scale = float(opt.dynamic_scale.numpy())
+    assert scale == 4 * float(lso.initial_scale) and count == 7
+    indices, rows, vec = grads[10]
+    step(indices, rows, vec * np.float32("inf"))  # an overflow: the optimizer skips it, and so do the monitors
+    assert float(opt.dynamic_scale.numpy()) == scale / 2
+    check_values(kungfu.monitor.latest(opt), want[9], 10)
+    step(*grads[11])  # its previous step's copy was taken at the old scale
+    check_values(kungfu.monitor.latest(opt), want[9], 11)
+    assert kungfu.monitor.update_count(opt) == count
+    step(*grads[12])  # steps 11 and 12 pair up again
+    assert kungfu.monitor.update_count(opt) == count + 1
+    assert all(np.isfinite(v) and v > 0 for k, v in kungfu.monitor.latest(opt).items() if k in ("gns", "snr"))
 
 
 def test_rewrite_matches_the_reference():

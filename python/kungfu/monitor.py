@@ -105,6 +105,7 @@ class _Previous:
         with tf.init_scope(), tf.device("CPU:0"):
             self.step = tf.Variable(_NONE, trainable=False, dtype=tf.int64, name="kungfu_monitor_prev_step")
             self.batch = tf.Variable(0.0, trainable=False, dtype=tf.float32, name="kungfu_monitor_prev_batch")
+            self.scale = tf.Variable(0.0, trainable=False, dtype=tf.float32, name="kungfu_monitor_prev_scale")
         # (id(variable), dtype) -> (variable, the tf.Variable holding its gradient); the variable is kept
         # so that its id stays its own.
         self._slots = {}
@@ -128,6 +129,9 @@ class Monitors:
         self.alpha = check_alpha(alpha)  # EMA weight of a new GNS estimate
         self.key = f"kungfu/gns/{name}/{next(_ids)}"  # the GNS op's EMA key, unique per optimizer
         self.has_batch = local_batch_size is not None
+        # A function giving the factor the gradients carry (a LossScaleOptimizer's dynamic_scale), set by
+        # the optimizer wrapper; the monitors measure the gradients divided by it. None: no factor.
+        self.loss_scale = None
         self._previous = None  # _Previous, made at the first one-worker step
         with tf.init_scope(), tf.device("CPU:0"):  # may be built inside a tf.function
             if isinstance(local_batch_size, tf.Variable):
@@ -201,7 +205,8 @@ class Monitors:
             b = self._batch_after([mean_local_sq])
             b_big = tf.cast(_lib.size(), tf.float32) * b
             big_sq = _ops.squared_norm(reduced_grads) if reduced_sq is None else reduced_sq
-            self._record(mean_local_sq, big_sq, mean_local_sq, b, b_big, b_big)
+            (local_sq, big_sq), valid = self._unscaled(mean_local_sq, big_sq)
+            self._record(local_sq, big_sq, local_sq, b, b_big, b_big, valid)
             return tf.constant(True)
 
         return _when(due, run)
@@ -225,7 +230,10 @@ class Monitors:
         def run():
             valid = tf.equal(prev.step.read_value(), step - 1) & tf.equal(prev.batch.read_value(), b)
             small, big, prev_sq = _ops.consecutive_sq_norms(grads, [s.read_value() for s in slots], previous=True)
-            self._record(small, big, (small + prev_sq) / 2, b, 2 * b, b, valid)
+            if self.loss_scale is not None:  # both steps' gradients must carry the same factor
+                valid &= tf.equal(prev.scale.read_value(), self._scale())
+            (small, big, prev_sq), finite = self._unscaled(small, big, prev_sq)
+            self._record(small, big, (small + prev_sq) / 2, b, 2 * b, b, valid & finite)
             return tf.constant(True)
 
         _when(self.due(step), run)
@@ -235,9 +243,23 @@ class Monitors:
                 s.assign(g)
             prev.step.assign(step)
             prev.batch.assign(b)
+            if self.loss_scale is not None:
+                prev.scale.assign(self._scale())
             return tf.constant(True)
 
         _when(self.due(step + 1), keep)
+
+    def _scale(self):
+        return tf.cast(self.loss_scale(), tf.float32)
+
+    def _unscaled(self, *squared_norms):
+        """The squared norms of the gradients without the loss scale, and whether they are all finite (a
+        LossScaleOptimizer skips a step whose scaled gradients overflowed; so do the monitors)."""
+        if self.loss_scale is None:
+            return squared_norms, True
+        s2 = tf.square(self._scale())
+        out = tuple(x / s2 for x in squared_norms)
+        return out, tf.reduce_all(tf.math.is_finite(tf.stack(out)))
 
     def _record(self, small_sq, big_sq, spread_sq, b, b_big, snr_batch, valid=True):
         """Assigns the monitors from one step's squared norms (one KfMonitorRecord op): small_sq of a

@@ -365,6 +365,9 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     if monitor is not None:
         wrapped._kungfu.monitors = _monitor.Monitors(names, monitor_interval, local_batch_size, wrapped.name,
                                                      monitor_alpha)
+        if isinstance(wrapped, keras.optimizers.LossScaleOptimizer):  # apply() gets scaled gradients
+            wrapped._kungfu.monitors.loss_scale = lambda: (wrapped.dynamic_scale if wrapped.built  # as
+                                                           else wrapped.initial_scale)  # scale_loss reads it
     if policies is not None:
         from .._policy.controls import Controls
         from .._policy.graph import CompiledPolicies
