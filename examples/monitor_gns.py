@@ -2,7 +2,7 @@
 on scikit-learn's digits (8x8 images of handwritten digits), and a plot of them.
 
     kfrun -np 4 python examples/monitor_gns.py [--epochs=12 --batch_size=32 --out=DIR]
-    python examples/monitor_gns.py                 (one worker: no gradient noise scale, see below)
+    python examples/monitor_gns.py                 (one worker: a rougher estimate, see below)
 
 SynchronousSGDOptimizer(monitor=["gns", "variance", "snr"], local_batch_size=...) computes the monitors inside
 the training step: each worker's squared gradient norm rides along in the gradients' all-reduce, and from it
@@ -20,8 +20,9 @@ gns reads 0 ("no estimate") until the first estimate, and again whenever the smo
 is <= 0: late in training the true gradient is small against the noise of these batches, so the noise
 scale is larger than they can measure (the plot leaves those steps out). Rank 0 says so when it happens.
 
-One worker has no second batch size to compare, so gns, grad_variance and snr read 0, "no estimate"
-(docs/monitoring.md); the script still trains and plots.
+One worker has no second batch size to compare: the wrapper pairs each step's gradients with the previous
+step's instead, a biased estimate (docs/monitoring.md, "One worker"), and grad_variance is then the spread
+between consecutive steps, not between workers.
 """
 
 import os
@@ -113,7 +114,7 @@ def plot(rec, path, size, global_batch):
     axes[2].plot(rec.steps, variance, color="tab:green")
     axes[2].set_ylabel("gradient variance\nacross workers")
     axes[2].set_xlabel("step")
-    fig.suptitle(f"S-SGD on digits, {size} worker(s)" + ("" if size > 1 else ": one worker, no estimates (0)"))
+    fig.suptitle(f"S-SGD on digits, {size} worker(s)" + ("" if size > 1 else ": one worker, consecutive steps"))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -128,8 +129,8 @@ def main(argv):
         print(f"{size} worker(s), {FLAGS.batch_size} examples per worker per step, global batch "
               f"{size * FLAGS.batch_size}", flush=True)
         if size == 1:
-            print("one worker: no second batch size to compare, so gns, grad_variance and snr read 0 "
-                  "(no estimate); run it with kfrun -np 4 to see them", flush=True)
+            print("one worker: no second batch size to compare, so the monitors pair consecutive steps, a "
+                  "biased estimate; run it with kfrun -np 4 for the workers' own", flush=True)
 
     keras.utils.set_random_seed(rank)  # different initial models, made identical by the broadcast
     model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10)])
