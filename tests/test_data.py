@@ -235,3 +235,19 @@ def test_fingerprint_of_object_arrays_is_their_values():
 
     assert _dataset._fingerprint([texts()]) == _dataset._fingerprint([texts()])
     assert _dataset._fingerprint([texts()]) != _dataset._fingerprint([texts("x")])
+
+
+def test_fingerprint_sees_any_sample_of_a_small_array_and_spreads_over_a_large_one(monkeypatch):
+    from kungfu.data import _dataset
+
+    x = np.arange(1000 * 3, dtype=np.float32).reshape(1000, 3)
+    y = x.copy()
+    y[417, 1] += 1  # one value, away from the first, middle and last samples
+    assert _dataset._fingerprint([x]) != _dataset._fingerprint([y])
+    assert _dataset._fingerprint([x[:, :2]]) == _dataset._fingerprint([np.ascontiguousarray(x[:, :2])])
+    monkeypatch.setattr(_dataset, "_WHOLE_BYTES", 1024)  # too large to read whole: samples spread over it
+    monkeypatch.setattr(_dataset, "_SAMPLES", 100)
+    for i in (0, 10, 20, 999):  # about every 10th sample, the first and last among them
+        z = x.copy()
+        z[i] += 1
+        assert _dataset._fingerprint([x]) != _dataset._fingerprint([z]), i

@@ -18,7 +18,8 @@ class PolicyCallback(keras.callbacks.Callback):
     policies: a list of kungfu.policies.BasePolicy. dataset: the kungfu.data.AdaptiveDataset model.fit
     iterates (needed to change the batch size). optimizer: by default the model's. monitors: where the
     metrics come from when not the optimizer's. The step's logs (loss, metrics) join ctx.metrics,
-    averaged over the workers. A policy's ctx.stop() stops model.fit after that step (or epoch).
+    averaged over the workers. A policy's ctx.stop() stops model.fit after that step (or epoch); from
+    before_train, before_epoch or before_step, after one more step (Keras reads stop_training only then).
     .runner is the kungfu.PolicyRunner doing the work (its .history and summary() tell what changed).
     Batch-end hooks are overridden, so Keras dispatches steps synchronously (the callback needs the logs).
     The model must be compiled with steps_per_execution=1 (the default); fit raises ValueError otherwise.
