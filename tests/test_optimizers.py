@@ -48,6 +48,8 @@ def test_wrapper_is_the_base_optimizer_with_its_config():
     (lambda: optimizers.SynchronousAveragingOptimizer(keras.optimizers.SGD(), alpha=1.5), ValueError, "alpha"),
     (lambda: optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(), fusion_bytes=-1), ValueError, "fusion_bytes"),
     (lambda: kungfu.DistributedGradientTape(object()), TypeError, "GradientTape"),
+    (lambda: kungfu.broadcast_variables([tf.Variable(1.0), tf.constant(2.0)]), TypeError,
+     "item 1 is a .*, not a variable"),
 ])
 def test_bad_arguments_say_what_is_wrong(call, error, words):
     with pytest.raises(error, match=words):

@@ -18,6 +18,10 @@ def broadcast_variables(variables, root=0, name=None):
 
     _lib.require_init("kungfu.broadcast_variables")
     variables = list(variables)
+    for i, v in enumerate(variables):  # before any collective, which the other workers would wait in
+        if not callable(getattr(v, "assign", None)):
+            raise TypeError(f"kungfu.broadcast_variables: item {i} is a {type(v).__name__}, not a variable "
+                            "(tf.Variable or keras.Variable); only variables can be assigned root's value")
     checked = _check_same_variables(collective, variables, name)
     with tf.control_dependencies([checked] if checked is not None else []):  # in a graph: no broadcast first
         _broadcast(collective, variables, root, name)
