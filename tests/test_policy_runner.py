@@ -294,6 +294,16 @@ def test_a_compiled_policy_reading_what_the_graph_lacks_names_it():
         step(x, y)
 
 
+def test_a_strategy_switch_in_a_rewritten_step_points_to_the_optimizer_wrapper():
+    import kungfu.policies as kp
+
+    model, x, y = model_and_data()
+    opt = keras.optimizers.SGD(0.1)
+    step = kungfu.rewrite(step_fn(model, opt), policies=[kp.strategy_switch("sma", at_step=1)], optimizer=opt)
+    with pytest.raises(PolicyError, match=r"runs S-SGD only.*DistributedOptimizer\(opt, policies=\[...\]\)"):
+        step(x, y)
+
+
 def test_a_compiled_schedule_applies_its_entry_0_before_the_first_step():
     import kungfu.policies as kp
 

@@ -119,6 +119,10 @@ class Controls:
         return var
 
     def strategy_target(self):
+        if self.who == "kungfu.rewrite":
+            raise PolicyError("kungfu.rewrite: a policy set the strategy, but a rewritten step runs S-SGD only; to "
+                              "switch strategies, train with kungfu.optimizers.DistributedOptimizer(opt, "
+                              "policies=[...]) instead of kungfu.rewrite")
         if self.optimizer is None or not is_distributed(self.optimizer):
             got = "no optimizer was given" if self.optimizer is None else f"{self.optimizer.name} is a plain optimizer"
             raise PolicyError(f"{self.who}: a policy set the strategy, but {got}; wrap it with "
