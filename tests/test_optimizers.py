@@ -164,6 +164,26 @@ def test_distributed_gradient_tape_keeps_structure_and_values():
     with kungfu.DistributedGradientTape(tf.GradientTape()) as tape:  # the context-manager form
         loss = v["b"] * 2.0
     assert float(tape.gradient(loss, v["b"])) == 2.0
+    assert isinstance(tape, tf.GradientTape)  # code that checks for a tape takes it
+
+
+def test_distributed_gradient_tape_is_the_wrapped_tape():
+    """Watching, pausing, persistence and jacobian act on the one recording, through either object."""
+    x = tf.constant([1.0, 2.0])
+    plain = tf.GradientTape(persistent=True)
+    tape = kungfu.DistributedGradientTape(plain)
+    with tape:
+        tape.watch(x)
+        y = x * x
+        with tape.stop_recording():
+            ignored = x * 10.0
+    np.testing.assert_array_equal(tape.gradient(y, x), [2.0, 4.0])
+    np.testing.assert_array_equal(tape.gradient(y, x), [2.0, 4.0])  # persistent: a second call works
+    assert tape.gradient(ignored, x) is None
+    np.testing.assert_array_equal(tape.jacobian(y, x), [[2.0, 0.0], [0.0, 4.0]])
+    assert plain.watched_variables() == tape.watched_variables() == ()
+    with pytest.raises(ValueError, match="already a kungfu.DistributedGradientTape"):
+        kungfu.DistributedGradientTape(tape)
 
 
 def test_broadcast_variables_keeps_values_on_one_worker():

@@ -7,7 +7,7 @@
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
 Dense gradients are all-reduced in buckets, sparse ones (IndexedSlices) all-gathered; see
-kungfu/optimizers/_reduce.py. Every other method and attribute is the wrapped tape's.
+kungfu/optimizers/_reduce.py. Every other method is tf.GradientTape's, on the wrapped tape's state.
 """
 
 import tensorflow as tf
@@ -17,8 +17,12 @@ from .ops import _compression
 from .optimizers import _reduce
 
 
-class DistributedGradientTape:
+class DistributedGradientTape(tf.GradientTape):
     """Wraps tape; gradient() returns the mean of every worker's gradients.
+
+    It is a tf.GradientTape, sharing the wrapped tape's state (its recording, watched variables and
+    persistence), as Horovod's is: isinstance checks, watch(), stop_recording(), reset(), jacobian()
+    and the rest are the tape's own. Wrap a tape before or after its `with` block.
 
     fusion_bytes: gradient bucket size (default 4 MiB; 0: one collective per gradient).
     sparse_as_dense: all-reduce IndexedSlices gradients as dense tensors instead of all-gathering them.
@@ -26,31 +30,24 @@ class DistributedGradientTape:
     see kungfu/ops/_compression.py).
     """
 
-    def __init__(self, tape, fusion_bytes=None, sparse_as_dense=False, compression=None):
+    def __init__(self, tape, fusion_bytes=None, sparse_as_dense=False, compression=None):  # noqa: super() not called
         if not isinstance(tape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}")
-        self._tape = tape
-        self._fusion_bytes = _reduce.check_fusion_bytes(fusion_bytes)
-        self._sparse_as_dense = bool(sparse_as_dense)
-        self._compression = _compression.check(compression, "DistributedGradientTape")
+        if isinstance(tape, DistributedGradientTape):
+            raise ValueError("this tape is already a kungfu.DistributedGradientTape; wrap the plain tape once")
+        settings = (_reduce.check_fusion_bytes(fusion_bytes), bool(sparse_as_dense),
+                    _compression.check(compression, "DistributedGradientTape"))
+        self.__dict__ = tape.__dict__  # one tape state, whichever object records or computes with it
+        self._kungfu_settings = settings
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
         _lib.require_init("DistributedGradientTape.gradient")
-        grads = self._tape.gradient(target, sources, output_gradients, unconnected_gradients)
+        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         if _lib.size() == 1:
             return grads
+        fusion_bytes, sparse_as_dense, compression = self._kungfu_settings
         flat_grads, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
-        reduced = _reduce.mean_gradients(flat_grads, flat_sources, self._fusion_bytes, self._sparse_as_dense,
-                                         compression=self._compression)
+        reduced = _reduce.mean_gradients(flat_grads, flat_sources, fusion_bytes, sparse_as_dense,
+                                         compression=compression)
         return tf.nest.pack_sequence_as(grads, reduced)
-
-    def __enter__(self):
-        self._tape.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._tape.__exit__(*exc)
-
-    def __getattr__(self, name):  # watch, stop_recording, reset, jacobian, ...
-        return getattr(self._tape, name)
