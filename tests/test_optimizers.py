@@ -182,6 +182,11 @@ def test_distributed_gradient_tape_is_the_wrapped_tape():
     assert tape.gradient(ignored, x) is None
     np.testing.assert_array_equal(tape.jacobian(y, x), [[2.0, 0.0], [0.0, 4.0]])
     assert plain.watched_variables() == tape.watched_variables() == ()
+    v = tf.Variable(1.0)
+    with tf.GradientTape() as plain:  # wrapped inside the block, which then ends on the plain tape
+        tape = kungfu.DistributedGradientTape(plain)
+        y = v * 3.0
+    assert float(tape.gradient(y, v)) == 3.0
     with pytest.raises(ValueError, match="already a kungfu.DistributedGradientTape"):
         kungfu.DistributedGradientTape(tape)
 

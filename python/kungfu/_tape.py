@@ -10,11 +10,15 @@ Dense gradients are all-reduced in buckets, sparse ones (IndexedSlices) all-gath
 kungfu/optimizers/_reduce.py. Every other method is tf.GradientTape's, on the wrapped tape's state.
 """
 
+import weakref
+
 import tensorflow as tf
 
 from . import _lib
 from .ops import _compression
 from .optimizers import _reduce
+
+_settings = weakref.WeakKeyDictionary()  # DistributedGradientTape -> (fusion_bytes, sparse_as_dense, compression)
 
 
 class DistributedGradientTape(tf.GradientTape):
@@ -30,7 +34,8 @@ class DistributedGradientTape(tf.GradientTape):
     see kungfu/ops/_compression.py).
     """
 
-    def __init__(self, tape, fusion_bytes=None, sparse_as_dense=False, compression=None):  # noqa: super() not called
+    def __init__(self, tape, fusion_bytes=None, sparse_as_dense=False, compression=None):
+        # No super().__init__(): the state is the wrapped tape's, taken over below.
         if not isinstance(tape, tf.GradientTape):
             raise TypeError(f"DistributedGradientTape wraps a tf.GradientTape, got {type(tape).__name__}")
         if isinstance(tape, DistributedGradientTape):
@@ -38,7 +43,7 @@ class DistributedGradientTape(tf.GradientTape):
         settings = (_reduce.check_fusion_bytes(fusion_bytes), bool(sparse_as_dense),
                     _compression.check(compression, "DistributedGradientTape"))
         self.__dict__ = tape.__dict__  # one tape state, whichever object records or computes with it
-        self._kungfu_settings = settings
+        _settings[self] = settings  # not in the shared state: two wrappers of one tape keep their own
 
     def gradient(self, target, sources, output_gradients=None,
                  unconnected_gradients=tf.UnconnectedGradients.NONE):
@@ -46,7 +51,7 @@ class DistributedGradientTape(tf.GradientTape):
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         if _lib.size() == 1:
             return grads
-        fusion_bytes, sparse_as_dense, compression = self._kungfu_settings
+        fusion_bytes, sparse_as_dense, compression = _settings[self]
         flat_grads, flat_sources = tf.nest.flatten(grads), tf.nest.flatten(sources)
         reduced = _reduce.mean_gradients(flat_grads, flat_sources, fusion_bytes, sparse_as_dense,
                                          compression=compression)
