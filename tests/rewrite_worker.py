@@ -201,6 +201,56 @@ def sparse_rows_differ_across_workers():
     assert_close(got, want, "uneven IndexedSlices vs the mean of the workers' gradients", 1e-6)
 
 
+@check
+def tape_jacobians_stay_local():
+    """DistributedGradientTape averages gradient() only: TF's jacobian calls self.gradient() per row."""
+    rank, size = kungfu.rank(), kungfu.size()
+    v = tf.Variable(tf.ones([3]) * (rank + 1))
+    x = tf.ones([2, 3]) * (rank + 1)
+    with tf.GradientTape(persistent=True) as plain:
+        plain.watch(x)
+        y, z, loss = v * v, x * x, tf.reduce_sum(v * v)
+    tape = kungfu.DistributedGradientTape(plain)
+    mean = np.mean([2.0 * (r + 1) for r in range(size)])
+    np.testing.assert_allclose(tape.gradient(loss, v).numpy(), [mean] * 3, err_msg="gradient: the mean")
+    np.testing.assert_allclose(np.diag(tape.jacobian(y, v).numpy()), [2.0 * (rank + 1)] * 3,
+                               err_msg="jacobian: this worker's own")
+    batch = tape.batch_jacobian(z, x).numpy()
+    np.testing.assert_allclose([np.diag(b) for b in batch], np.full([2, 3], 2.0 * (rank + 1)),
+                               err_msg="batch_jacobian: this worker's own")
+
+
+def expect_already_distributed(step):
+    x, y = dataset("mlp", BATCH)
+    try:
+        kungfu.rewrite(step)(x, y)
+    except ValueError as e:
+        if "already averages its gradients" not in str(e):
+            raise
+    else:
+        raise AssertionError("kungfu.rewrite took a step that averages its gradients itself")
+
+
+@check
+def rewrite_refuses_a_step_with_distributed_gradient_tape():
+    model, opt = build("mlp", "sgd")
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        grads = kungfu.DistributedGradientTape(tape).gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    expect_already_distributed(train_step)
+
+
+@check
+def rewrite_refuses_a_step_with_synchronous_sgd_optimizer():
+    model, opt = build("mlp", "sgd")
+    expect_already_distributed(wrapped_optimizer_step(model, opt))
+
+
 def main():
     kungfu.init()
     sys.exit(1 if mp.run_checks(CHECKS, kungfu.rank()) else 0)

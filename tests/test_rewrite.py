@@ -157,6 +157,59 @@ def test_one_rewrite_per_input_signature():
     assert kf_ops(step.get_concrete_function(*batch("mlp", rows=5))) == ["KfGroupAllReduce"]
 
 
+def test_reduce_retracing_is_kept():
+    """A step made with reduce_retracing=True is rewritten twice for many batch sizes (the second time
+    with a None batch dimension), as the original is traced, and rewrite_count counts those rewrites."""
+    model, opt = model_and_optimizer("mlp")
+    original = train_step(model, opt)
+    step = kungfu.rewrite(tf.function(original.python_function, reduce_retracing=True))
+    for rows in (8, 7, 6, 5):
+        step(*batch("mlp", rows=rows))
+    assert step.rewrite_count == 2
+    concrete = step.get_concrete_function(*batch("mlp", rows=3))
+    assert concrete.inputs[0].shape.as_list() == [None, 6] and kf_ops(concrete) == ["KfGroupAllReduce"]
+    assert step.rewrite_count == 2 and len(step.report(*batch("mlp", rows=3)).gradients) == 4
+
+
+def test_integer_step_counter_is_left_alone():
+    """TensorFlow makes an integer tf.Variable trainable by default; no gradient can reach it."""
+    model, opt = model_and_optimizer("mlp")
+    counter = tf.Variable(0, dtype=tf.int64)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x) - y))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        counter.assign_add(1)
+
+    rewritten = kungfu.rewrite(step)
+    rewritten(*batch("mlp"))
+    assert int(counter.numpy()) == 1 and len(rewritten.report(*batch("mlp")).gradients) == 4
+
+
+def test_update_before_a_later_gradient_raises():
+    """A GAN-style step: update D, then compute G's gradient through the updated D. One cut cannot
+    average D's gradient before D's update and keep that update before G's forward pass: without this
+    check D would be updated with its local gradient, silently."""
+    d, d_opt = model_and_optimizer("mlp")
+    g, g_opt = model_and_optimizer("mlp")
+
+    @tf.function
+    def gan_step(x, y):
+        with tf.GradientTape() as tape:
+            d_loss = tf.reduce_mean(tf.square(d(x) - y))
+        d_opt.apply_gradients(zip(tape.gradient(d_loss, d.trainable_variables), d.trainable_variables))
+        with tf.GradientTape() as tape:
+            g_loss = tf.reduce_mean(tf.square(g(x) + d(x) - y))
+        g_opt.apply_gradients(zip(tape.gradient(g_loss, g.trainable_variables), g.trainable_variables))
+
+    kernel = conv.variable_name(d.trainable_variables[0])
+    with pytest.raises(ValueError, match=rf"(?s)kungfu.rewrite\(gan_step\): some updates come before later gradients.*"
+                                         rf"  - {kernel} is updated \(.*DistributedGradientTape"):
+        kungfu.rewrite(gan_step)(*batch("mlp"))
+
+
 def test_plain_python_function_and_no_outputs():
     model, opt = model_and_optimizer("mlp")
     before = [v.numpy() for v in model.trainable_variables]
@@ -299,13 +352,17 @@ def test_tf_conventions_hold():
 
     tf.function(body, autograph=False).get_concrete_function(x, y=y)
     assert seen == ["x:0", "y:0"], f"6: a traced function's graph inputs at the start of its body are {seen}"
+    assert conv.reduce_retracing(tf.function(body, reduce_retracing=True)) and not conv.reduce_retracing(
+        tf.function(body)), "8: a tf.function no longer keeps its reduce_retracing in _reduce_retracing"
 
 
 WORKER = os.path.join(REPO, "tests", "rewrite_worker.py")
 CHECKS = ["ssgd_mlp_sgd_matches_combined_batch", "ssgd_mlp_adam_matches_combined_batch",
           "ssgd_embedding_sgd_matches_combined_batch", "ssgd_embedding_adam_matches_combined_batch",
           "ssgd_one_collective_per_gradient_matches_combined_batch", "rewrite_equals_hand_written_all_reduce",
-          "sparse_rows_differ_across_workers", "rewrite_equals_synchronous_sgd_optimizer"]
+          "sparse_rows_differ_across_workers", "rewrite_equals_synchronous_sgd_optimizer",
+          "tape_jacobians_stay_local", "rewrite_refuses_a_step_with_distributed_gradient_tape",
+          "rewrite_refuses_a_step_with_synchronous_sgd_optimizer"]
 
 
 @pytest.mark.parametrize("np_", [2, 4])

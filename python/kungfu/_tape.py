@@ -7,7 +7,9 @@
     optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
 Dense gradients are all-reduced in buckets, sparse ones (IndexedSlices) all-gathered; see
-kungfu/optimizers/_reduce.py. Every other method is tf.GradientTape's, on the wrapped tape's state.
+kungfu/optimizers/_reduce.py. Every other method is tf.GradientTape's, on the wrapped tape's state;
+jacobian() and batch_jacobian(), which TensorFlow computes by calling self.gradient() once per row,
+run on a plain tf.GradientTape view of that state, so that they stay local as documented.
 """
 
 import weakref
@@ -25,8 +27,9 @@ class DistributedGradientTape(tf.GradientTape):
     """Wraps tape; gradient() returns the mean of every worker's gradients.
 
     It is a tf.GradientTape, sharing the wrapped tape's state (its recording, watched variables and
-    persistence), as Horovod's is: isinstance checks, watch(), stop_recording(), reset(), jacobian()
-    and the rest are the tape's own. Wrap a tape before or after its `with` block.
+    persistence), as Horovod's is: isinstance checks, watch(), stop_recording(), reset() and the rest
+    are the tape's own; jacobian() and batch_jacobian() too, and they stay local (not averaged). Wrap a
+    tape before or after its `with` block.
 
     fusion_bytes: gradient bucket size (default 4 MiB; 0: one collective per gradient).
     sparse_as_dense: all-reduce IndexedSlices gradients as dense tensors instead of all-gathering them.
@@ -56,3 +59,18 @@ class DistributedGradientTape(tf.GradientTape):
         reduced = _reduce.mean_gradients(flat_grads, flat_sources, fusion_bytes, sparse_as_dense,
                                          compression=compression)
         return tf.nest.pack_sequence_as(grads, reduced)
+
+    def jacobian(self, *args, **kwargs):
+        """tf.GradientTape.jacobian, local: not averaged over the workers (see the module doc)."""
+        return _plain(self).jacobian(*args, **kwargs)
+
+    def batch_jacobian(self, *args, **kwargs):
+        """tf.GradientTape.batch_jacobian, local: not averaged over the workers (see the module doc)."""
+        return _plain(self).batch_jacobian(*args, **kwargs)
+
+
+def _plain(tape):
+    """A tf.GradientTape sharing tape's state, whose gradient() is the plain one."""
+    view = tf.GradientTape.__new__(tf.GradientTape)
+    view.__dict__ = tape.__dict__
+    return view

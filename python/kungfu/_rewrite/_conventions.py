@@ -3,7 +3,7 @@
 Every assumption the rewrite makes about TensorFlow's or Keras's graphs, or about TensorFlow internals,
 lives here, so that a TensorFlow or Keras upgrade that breaks one shows up in one place:
 tests/test_rewrite.py::test_tf_conventions_hold traces a small Keras step and checks those an upgrade
-could change (1, 2, 4, 5, 6, 7), naming the one that did.
+could change (1, 2, 4, 5, 6, 7, 8), naming the one that did.
 
   1. tf.GradientTape.gradient builds the backward pass under a name scope "gradient_tape" (a second tape
      in one graph gets "gradient_tape_1", a user's name scope may prefix it).
@@ -22,6 +22,7 @@ could change (1, 2, 4, 5, 6, 7), naming the one that did.
      captured, the argument placeholders, in the order a function of the same signature uses. (TF internal.)
   7. When a variable is used more than once (a layer called twice), the tape sums its partial gradients
      with an AddN made outside the "gradient_tape" name scope, whose inputs all come from the backward pass.
+  8. A tf.function keeps its reduce_retracing= in the attribute _reduce_retracing. (TF internal.)
 """
 
 import re
@@ -48,6 +49,10 @@ SHAPE_OPS = frozenset({"Const", "Shape", "ShapeN", "VariableShape", "Size"})
 REDUCTION_OPS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "L2Loss", "EuclideanNorm",
                            "ArgMax", "ArgMin"})
 
+# KungFu's collectives that average or gather tensors: an update that takes its gradient through one of
+# them belongs to a step that is distributed already (kf_ops/, the Kf<Verb><Noun> ops).
+KUNGFU_COLLECTIVE_OPS = frozenset({"KfAllReduce", "KfGroupAllReduce", "KfGroupAllReduceNorms", "KfAllGather"})
+
 # Ops that run a graph of the function library: gradients or updates inside them are out of reach.
 CALL_OPS = frozenset({"While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
                       "PartitionedCall", "StatefulPartitionedCall"})
@@ -62,6 +67,11 @@ def is_gradient_sum(op, backward):
     """Whether op is the tape's sum of one variable's partial gradients (convention 7); backward holds
     the names of the backward-pass ops seen so far."""
     return op.type == "AddN" and bool(op.inputs) and all(t.op.name in backward for t in op.inputs)
+
+
+def can_have_gradient(dtype):
+    """Whether a tf.GradientTape can give a gradient for a variable of this dtype (float or complex)."""
+    return dtype.is_floating or dtype.is_complex
 
 
 def is_variable_write(op_type):
@@ -83,6 +93,11 @@ def split_inputs(cf):
 def traced_arguments():
     """The argument placeholders of the tf.function being traced now: convention 6. Call first thing."""
     return list(tf.compat.v1.get_default_graph().inputs)
+
+
+def reduce_retracing(fn):
+    """The reduce_retracing a tf.function was made with (convention 8; TF internal: no public accessor)."""
+    return bool(getattr(fn, "_reduce_retracing", False))
 
 
 def variable_name(variable):

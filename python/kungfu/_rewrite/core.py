@@ -131,7 +131,7 @@ class Rewritten:
         self._name = getattr(fn, "__name__", None) or "step"
         self._lock = threading.Lock()
         self._functions = {}  # kungfu.size() -> the rewritten tf.function
-        self._reports = {}  # (original ConcreteFunction, size) -> Report
+        self._reports = {}  # (size, the rewritten trace's input signature) -> Report: one per rewrite
         functools.update_wrapper(self, fn.python_function, updated=())
 
     def __call__(self, *args, **kwargs):
@@ -145,8 +145,7 @@ class Rewritten:
 
     def report(self, *args, **kwargs):
         """The Report of the rewrite for these arguments (rewriting it if new)."""
-        self.get_concrete_function(*args, **kwargs)
-        return self._reports[(self._fn.get_concrete_function(*args, **kwargs), _lib.size())]
+        return self._reports[_trace_key(_lib.size(), self.get_concrete_function(*args, **kwargs).graph)]
 
     @property
     def monitors(self):
@@ -165,7 +164,9 @@ class Rewritten:
 
     @property
     def rewrite_count(self):
-        """How many concrete functions have been rewritten so far."""
+        """How many rewrites the step has made so far: one per input signature the rewritten tf.function
+        traced, per cluster size. The rewritten step keeps the original's reduce_retracing: with True, a
+        second batch size is traced once more with a None dimension, and then no more."""
         return len(self._reports)
 
     def _function(self):
@@ -174,21 +175,31 @@ class Rewritten:
         with self._lock:
             if size not in self._functions:
                 body = functools.update_wrapper(functools.partial(self._body, size), self._fn.python_function)
-                self._functions[size] = tf.function(body, autograph=False, input_signature=self._fn.input_signature)
+                self._functions[size] = tf.function(body, autograph=False, input_signature=self._fn.input_signature,
+                                                    reduce_retracing=_conventions.reduce_retracing(self._fn))
             return self._functions[size]
 
     def _body(self, size, *args, **kwargs):
         arguments = _conventions.traced_arguments()  # before anything is captured
         cf = self._fn.get_concrete_function(*args, **kwargs)  # the original, for the same arguments
-        sites = find.find_gradients(cf, f"kungfu.rewrite({self._name})")
+        what = f"kungfu.rewrite({self._name})"
+        sites = find.find_gradients(cf, what)
         ctx = passes_lib.PassContext(function=self._name, size=size, options=self._options)
         graph = tf.compat.v1.get_default_graph()
         first_op = len(graph.get_operations())
-        outputs = rebind.rebuild(rebind.plan(cf, sites), arguments, self._passes, ctx)
+        outputs = rebind.rebuild(rebind.plan(cf, sites, what), arguments, self._passes, ctx)
         if self._policies is not None:  # after everything the step does, its update included
             self._policies.build(graph.get_operations()[first_op:])
         report = Report(gradients=tuple((s.name, "sparse" if s.indices else "dense") for s in sites),
                         inserted=tuple(ctx.inserted))
         with self._lock:
-            self._reports[(cf, size)] = report
+            # Keyed by signature: TensorFlow traces a signature again, to the same graph, when its
+            # first trace created a variable (a collective's ordering token, a policy's state).
+            self._reports[_trace_key(size, graph)] = report
         return outputs
+
+
+def _trace_key(size, graph):
+    """Which rewrite a traced FuncGraph is: the cluster size and the input signature it was traced for
+    (set before the body runs)."""
+    return size, repr(graph.structured_input_signature)

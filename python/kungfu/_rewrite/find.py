@@ -13,8 +13,11 @@ is the gradient tensor its updates depend on, found by walking the data inputs o
 A dense gradient is one float tensor; an IndexedSlices gradient is a float values tensor plus an integer
 indices tensor (its dense shape is a constant and is left alone).
 
-The rewrite needs exactly one gradient per updated trainable variable. Anything else raises ValueError,
-naming what was found; so does a step in which nothing was found.
+Trainable variables are the float and complex ones (an integer step counter, trainable by TF's default,
+is no variable the tape can differentiate). The rewrite needs exactly one gradient per updated trainable
+variable. Anything else raises ValueError, naming what was found; so does a step in which nothing was
+found, and one whose updates already take their gradients through a KungFu collective (a step that
+averages its gradients itself).
 """
 
 import dataclasses
@@ -50,10 +53,11 @@ def find_gradients(cf, what):
     if not boundary or not updated:
         raise ValueError(_nothing_found(what, ops, boundary, updated, trainable))
     walks = {ph: _gradients_of(ws, boundary, trainable, writes) for ph, ws in updated.items()}
+    _check_not_distributed(what, {ph: w[3] for ph, w in walks.items()}, trainable, cf.graph)
     # A trainable variable with no gradient that other variables' updates read is optimizer state that
     # was made trainable (Keras's Nadam makes its u_product so): it is left alone, as the optimizer's own.
-    read = set().union(*(reads for _, _, reads in walks.values()))
-    found = {ph: (floats, ints) for ph, (floats, ints, _) in walks.items() if floats or ints or ph not in read}
+    read = set().union(*(w[2] for w in walks.values()))
+    found = {ph: (floats, ints) for ph, (floats, ints, _, _) in walks.items() if floats or ints or ph not in read}
     updated = {ph: ws for ph, ws in updated.items() if ph in found}
     _check_one_per_variable(what, found, updated, trainable)
     order = {op.name: i for i, op in enumerate(ops)}
@@ -90,8 +94,11 @@ def _resource_root(t):
 
 
 def _trainable_placeholders(cf, capture_phs):
-    """{name of the capture placeholder: variable} for the trainable variables the function captures."""
-    by_handle = {id(v.handle): v for v in cf.trainable_variables}
+    """{name of the capture placeholder: variable} for the trainable variables the function captures.
+
+    Only float and complex variables count: TensorFlow makes an integer tf.Variable trainable by default
+    (a step counter, tf.Variable(0, dtype=tf.int64)), but no gradient can reach it."""
+    by_handle = {id(v.handle): v for v in cf.trainable_variables if conv.can_have_gradient(v.dtype)}
     return {ph.op.name: by_handle[id(ext)] for ext, ph in zip(cf.captured_inputs, capture_phs)
             if id(ext) in by_handle}
 
@@ -105,16 +112,18 @@ def _writes_by_resource(ops):
 
 
 def _gradients_of(update_ops, boundary, trainable, writes):
-    """(float gradient tensors, integer index tensors, the trainable variables read) the updates depend
-    on; see the module doc."""
+    """(float gradient tensors, integer index tensors, the trainable variables read, the KungFu
+    collectives passed through) the updates depend on; see the module doc."""
     stack = [t for w in update_ops for t in w.inputs if t.dtype != tf.resource]
-    seen, floats, ints, reads = set(), {}, {}, set()
+    seen, floats, ints, reads, collectives = set(), {}, {}, set(), {}
     while stack:
         t = stack.pop()
         if t.name in seen:
             continue
         seen.add(t.name)
         op = t.op
+        if op.type in conv.KUNGFU_COLLECTIVE_OPS or op.type in conv.CALL_OPS:
+            collectives[op.name] = op  # a call op counts if its functions hold a collective (checked later)
         if t.name in boundary:
             if t.dtype.is_floating or t.dtype.is_complex:
                 floats[t.name] = t
@@ -130,7 +139,49 @@ def _gradients_of(update_ops, boundary, trainable, writes):
             stack.append(op.inputs[t.value_index])
         elif op.type not in conv.REDUCTION_OPS:
             stack.extend(i for i in op.inputs if i.dtype != tf.resource)
-    return list(floats.values()), list(ints.values()), reads
+    return list(floats.values()), list(ints.values()), reads, list(collectives.values())
+
+
+def _check_not_distributed(what, collectives, trainable, graph):
+    """Raises ValueError when an update already takes its gradient through a KungFu collective, in the
+    graph or in a function an op on the way calls (the optimizer wrappers all-reduce inside a tf.switch_case):
+    the step averages its gradients itself (kungfu.DistributedGradientTape, SynchronousSGDOptimizer, ...)."""
+    through, library = {}, None  # collective "Type 'name'" -> the variables whose updates pass through it
+    for ph, ops in collectives.items():
+        for op in ops:
+            said = f"{op.type} '{op.name}'"
+            if op.type in conv.CALL_OPS:
+                if library is None:
+                    library = {f.signature.name: f for f in graph.as_graph_def().library.function}
+                inner = _collectives_called(op.node_def, library, set())
+                if not inner:
+                    continue
+                said += f" (calling {', '.join(sorted(inner))})"
+            through.setdefault(said, []).append(conv.variable_name(trainable[ph]))
+    if not through:
+        return
+    said = "; ".join(f"{c} (for {', '.join(sorted(names))})" for c, names in sorted(through.items()))
+    raise ValueError(f"{what}: this step already averages its gradients over the workers: its updates take them "
+                     f"through KungFu collectives: {said}. It uses kungfu.DistributedGradientTape, a kungfu "
+                     "optimizer wrapper (SynchronousSGDOptimizer, ...) or kungfu.all_reduce on the gradients, and "
+                     "is distributed as it is: call it without kungfu.rewrite, or give kungfu.rewrite the plain step "
+                     "(tf.GradientTape and a Keras optimizer).")
+
+
+def _collectives_called(node, library, seen):
+    """The types of the KungFu collectives in the functions node calls, through nested calls."""
+    found = set()
+    for value in node.attr.values():
+        names = [value.func.name] if value.HasField("func") else [f.name for f in value.list.func]
+        for name in names:
+            if name in seen or name not in library:
+                continue
+            seen.add(name)
+            for inner in library[name].node_def:
+                if inner.op in conv.KUNGFU_COLLECTIVE_OPS:
+                    found.add(inner.op)
+                found |= _collectives_called(inner, library, seen)
+    return found
 
 
 _FIX = ("kungfu.rewrite needs a step that computes gradients with tf.GradientTape and applies them to the "

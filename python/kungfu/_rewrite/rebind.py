@@ -34,14 +34,16 @@ class Plan:
     first_returns: list  # tensors of the first part the body needs, by name
 
 
-def plan(cf, sites):
-    """A Plan for rebuilding cf with its gradient tensors (sites) replaceable."""
+def plan(cf, sites, what="kungfu.rewrite"):
+    """A Plan for rebuilding cf with its gradient tensors (sites) replaceable; what names the step in errors."""
     arg_phs, capture_phs = conv.split_inputs(cf)
     removed = {t.op.name for t in arg_phs + capture_phs}
     graph = cf.graph
     roots = {t.split(":")[0] for s in sites for t in (s.values, s.indices) if t}
-    cut = graphdef.split(graph.as_graph_def(), roots, removed,
+    graph_def = graph.as_graph_def()
+    cut = graphdef.split(graph_def, roots, removed,
                          has_outputs=lambda name: bool(graph.get_operation_by_name(name).outputs))
+    _check_updates_after_cut(what, sites, cut, graph_def)
     removed_tensors = {t.name for t in arg_phs + capture_phs}
     needed = set(cut.second_links.values()) | {t for s in sites for t in (s.values, s.indices) if t}
     needed |= {t.name for t in cf.outputs}
@@ -51,6 +53,34 @@ def plan(cf, sites):
                 arg_dtypes=[t.dtype for t in arg_phs],
                 captures={ph.name: ext for ph, ext in zip(capture_phs, cf.captured_inputs)},
                 first_returns=first_returns)
+
+
+def _check_updates_after_cut(what, sites, cut, graph_def):
+    """Raises ValueError unless every update is in the second part, where it reads the passes' gradients.
+
+    An update lands in the first part when a gradient depends on it: a step that updates one model and
+    then computes another's gradient through the updated one (a GAN's discriminator, then its generator).
+    Imported before the passes run, that update would apply its local gradient, unaveraged, and the
+    workers would drift apart; one cut cannot put it both after its gradient's reduction and before the
+    later gradient that reads its result."""
+    first = {n.name for n in cut.first.node}
+    early = [(s, u) for s in sites for u in s.updates if u in first]
+    if not early:
+        return
+    needs = {o.name: graphdef.ancestors(graph_def, [o.values.split(":")[0]]) for o in sites}
+    lines = []
+    for site, update in early:
+        after = sorted(o.name for o in sites if o is not site and update in needs[o.name])
+        lines.append(f"  - {site.name} is updated ({update}) before the gradient of "
+                     f"{', '.join(after[:3]) + (' ...' if len(after) > 3 else '') or 'another variable'} is computed\n")
+    raise ValueError(f"{what}: some updates come before later gradients that depend on them, through the "
+                     "updated variables (e.g. a GAN step that updates D, then computes G's loss through the "
+                     "updated D):\n" + "".join(lines)
+                     + "kungfu.rewrite averages all of a step's gradients at one point, between the backward "
+                     "passes and the updates, so it cannot average these. Average in the step itself: "
+                     "kungfu.DistributedGradientTape(tape).gradient(...) for each tape, or "
+                     "kungfu.optimizers.SynchronousSGDOptimizer for each optimizer, without kungfu.rewrite; "
+                     "or split the step in two tf.functions, one per model, and rewrite each.")
 
 
 def rebuild(p, arguments, passes, ctx):
