@@ -4,15 +4,32 @@ A compilable policy's after_step runs on plain numbers (Context) and on tensors 
 Tensors cannot be truth-tested, so these helpers never write `x or default` or `if x` on a reading:
 None (Python only: "not known") becomes 0, and 0 is what the monitors report before their first
 estimate, so "no estimate" is one test, `is_estimate`, in both worlds.
+
+"No estimate yet" is not "not monitored": a monitor's metric (gns, grad_variance, snr) is in
+ctx.metrics from the first step whenever its monitor is on (0 until its first estimate), in both worlds,
+and missing only when it is off. A policy reading a missing one would wait for an estimate that never
+comes, so metric() raises instead, naming the monitor to turn on: at the policy's first call as a
+Python hook, at the step's first trace when compiled.
 """
 
 import math as _math
 import numbers
 
 
+# The metrics computed by a monitor -> the monitor's name in monitors=[...] (kungfu.monitor).
+MONITORED = {"gns": "gns", "grad_variance": "variance", "snr": "snr"}
+
+
 def metric(ctx, name):
-    """ctx.metrics[name], with a missing key or None (Python only) read as 0, "no estimate yet"."""
+    """ctx.metrics[name], with None (Python only) read as 0, "no estimate yet"; a missing key reads as 0
+    too, except for a monitor's metric, whose absence means its monitor is off: ValueError naming it."""
     metrics = ctx.metrics if ctx.metrics is not None else {}
+    if name in MONITORED and name not in metrics:
+        monitor = MONITORED[name]
+        raise ValueError(f"ctx.metrics has no {name!r}: the {monitor!r} monitor is not on, so it would never get an "
+                         f"estimate. Turn it on: kungfu.rewrite(..., monitors=[{monitor!r}], local_batch_size=...), "
+                         f"or the optimizer wrapper's monitor=[{monitor!r}] (the Python runners read the "
+                         "optimizer's monitors, or those given as monitors=)")
     value = metrics.get(name, 0.0)
     return 0.0 if value is None else value
 

@@ -107,7 +107,8 @@ def follow_batch(policy, ctx, rule, base_lr, base_batch):
     last = ctx.math.where(s.last_batch > 0, s.last_batch, b0)
     changed = ctx.math.abs(batch - last) > 0.5
     s.update(last_batch=batch)
-    lr = scaled_learning_rate(rule, lr0, b0, batch, rd.metric(ctx, "gns"), ctx.math)
+    gns = rd.metric(ctx, "gns") if rule == "adascale" else 0.0  # the other rules need no monitor
+    lr = scaled_learning_rate(rule, lr0, b0, batch, gns, ctx.math)
     return lr, changed
 
 

@@ -294,6 +294,19 @@ def test_a_compiled_policy_reading_what_the_graph_lacks_names_it():
         step(x, y)
 
 
+def test_a_policy_reading_an_unmonitored_metric_names_the_monitor_in_both_paths():
+    """Not monitored is not "no estimate yet": gns_batch_size would wait for an estimate that never comes."""
+    import kungfu.policies as kp
+
+    model, x, y = model_and_data()
+    opt = keras.optimizers.SGD(0.1)
+    with pytest.raises(PolicyError, match=r"ctx.metrics has no 'gns': the 'gns' monitor is not on"):
+        kungfu.PolicyRunner([kp.gns_batch_size(4, 64, interval=1)], optimizer=opt, batch_size=16).after_step()
+    step = kungfu.rewrite(step_fn(model, opt), policies=[kp.gns_batch_size(4, 64)], optimizer=opt, batch_size=16)
+    with pytest.raises(ValueError, match=r"ctx.metrics has no 'gns'.*monitors=\['gns'\]"):
+        step(x, y)
+
+
 def test_a_strategy_switch_in_a_rewritten_step_points_to_the_optimizer_wrapper():
     import kungfu.policies as kp
 

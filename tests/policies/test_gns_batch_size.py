@@ -124,9 +124,12 @@ def test_no_estimate_no_change(gns):
     c = ctx(1, 64, gns=gns)
     eager().after_step(c)
     assert c.changes == {}
-    c = ctx(1, 64)  # no "gns" key at all
-    eager().after_step(c)
-    assert c.changes == {}
+
+
+def test_gns_not_monitored_raises_naming_the_monitor():
+    """No "gns" key at all is not "no estimate yet": the monitor is off and the policy would never act."""
+    with pytest.raises(ValueError, match=r"ctx.metrics has no 'gns': the 'gns' monitor is not on.*monitors=\['gns'\]"):
+        eager().after_step(ctx(1, 64, step_time=0.1))
 
 
 @pytest.mark.parametrize("rule,expected", [
@@ -176,7 +179,7 @@ def test_per_sample_dominated_steps_stop_growing_once_measured():
 def test_step_time_fit_recovers_the_line():
     p = eager(min_gain=1e9)  # never changes: only the fit is exercised
     for step, batch in enumerate([100, 100, 300, 300, 300, 200, 200], start=1):
-        c = ctx(step, batch, step_time=0.05 + 2e-4 * batch)
+        c = ctx(step, batch, gns=0.0, step_time=0.05 + 2e-4 * batch)  # gns monitored, no estimate yet
         p.after_step(c)
         p._remember_batch(c, batch)
     alpha, beta = p._step_time_model(ctx(8, 200, step_time=0.05 + 2e-4 * 200), 200)
@@ -188,7 +191,7 @@ def fit_after(times, batches):
     step times at these batch sizes, and its state."""
     p = eager(min_gain=1e9)
     for step, (t, batch) in enumerate(zip(times, batches), start=1):
-        c = ctx(step, batch, step_time=t)
+        c = ctx(step, batch, gns=0.0, step_time=t)  # gns monitored, no estimate yet
         p.after_step(c)
         p._remember_batch(c, batch)
     return p._step_time_model(ctx(len(times) + 1, 200, step_time=0.0), 200), state(p)

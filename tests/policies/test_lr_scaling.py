@@ -103,3 +103,13 @@ def test_validation_and_repr():
     assert repr(lr_scaling("sqrt", 0.1, 64)) == "lr_scaling(rule='sqrt', base_lr=0.1, base_batch=64)"
     assert math.isclose(lr_scaling("sqrt", 0.1, 64).base_lr, 0.1)
     assert lr_scaling("linear").compilable
+
+
+def test_only_adascale_needs_the_gns_monitor():
+    linear = lr_scaling("linear")
+    linear.after_step(ctx(1, 64))  # no "gns" in the metrics: the linear rule does not read it
+    c = ctx(2, 128)
+    linear.after_step(c)
+    assert c.changes == {"learning_rate": pytest.approx(0.2)}
+    with pytest.raises(ValueError, match=r"ctx.metrics has no 'gns': the 'gns' monitor is not on"):
+        lr_scaling("adascale").after_step(ctx(1, 64))
