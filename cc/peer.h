@@ -1,7 +1,10 @@
 // Cluster membership: who the peers are, in rank order, under which version.
 //
-// A PeerList is immutable; a resize builds a new one with a higher version. Work started under an
-// old version fails with Aborted when it meets a message of another version.
+// A PeerList is immutable and carries a version (KUNGFU_CLUSTER_VERSION). Membership is fixed for
+// the life of a job in this version: nothing resizes a cluster yet. The version is reserved for
+// resizing, which a later version adds (a resize would build a new PeerList with a higher version);
+// today a message of another version means a misconfigured launch, and the work it meets fails with
+// Aborted.
 #pragma once
 
 #include <cstdint>

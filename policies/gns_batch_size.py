@@ -50,8 +50,9 @@ class GNSBatchSizePolicy(BasePolicy):
         interval: decide every `interval` steps (after_step when step % interval == 0). Default 10.
         factor: target = factor · gns. Default 1.0 (the noise scale itself).
         multiple_of: the batch is a multiple of this; default the cluster size, so every worker gets
-            the same share. Read at every call, so it follows a resize. Bounds that hold no multiple of
-            it are refused: when it is given, at once; the cluster size, in before_train.
+            the same share. Read at every call (the cluster size is fixed for a job today; reading it
+            each time is ready for resizing, which a later version adds). Bounds that hold no multiple
+            of it are refused: when it is given, at once; the cluster size, in before_train.
         min_gain: change only for a predicted gain in time-to-loss of at least this (0.05: 5%).
         cooldown_steps: steps to wait after a change before the next (the noise-scale EMA and the
             step-time fit need that long to see the new batch). Default 100.

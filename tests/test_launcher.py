@@ -2,123 +2,29 @@
 
 kfrun runs as `python -m kungfu.launcher` (what the kfrun console script calls); workers are pure
 Python, so no test here loads TensorFlow (`import kungfu` does not). Every process a test starts is
-killed when the test ends, whatever happened (the `reaper` fixture).
+killed when the test ends, whatever happened (the `reaper` fixture, launcher_util.py). Signals to kfrun
+and workers that stall at the end are tested in test_launcher_signals.py.
 """
 
-import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 
-import kungfu
 from kungfu import _env as env_mod
+from kungfu import _lib
+from kungfu import errors
+from kungfu.launcher import cli
 from kungfu.launcher import hosts
 from kungfu.launcher import plan
 from kungfu.launcher import ssh
-
-# Subprocesses import the same kungfu as this test, installed or from PYTHONPATH=python.
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(kungfu.__file__)))
-PYTHONPATH = os.pathsep.join(filter(None, [_ROOT, os.environ.get("PYTHONPATH")]))
-KFRUN = [sys.executable, "-m", "kungfu.launcher"]
-
-# Prints the KUNGFU_* environment and what resolve_cluster() makes of it, then one stderr line.
-ENV_WORKER = """
-import json, os, dataclasses, sys
-from kungfu._env import resolve_cluster
-env = {k: v for k, v in os.environ.items() if k.startswith("KUNGFU_")}
-print("ENV " + json.dumps({"env": env, "spec": dataclasses.asdict(resolve_cluster())}))
-print("to stderr", file=sys.stderr)
-"""
-
-# Writes its pid (and a grandchild's) to $PID_DIR, then behaves as argv[1] says for its rank.
-PID_WORKER = """
-import os, signal, subprocess, sys, time
-rank = os.environ["KUNGFU_RANK"]
-mode = dict(a.split("=") for a in sys.argv[1:]).get(rank, "hang")
-if mode == "stubborn":  # its child inherits the ignored signals too
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
-for name, pid in (("w", os.getpid()), ("c", child.pid)):
-    with open(os.path.join(os.environ["PID_DIR"], f"{name}{rank}.tmp"), "w") as f:
-        f.write(str(pid))
-    os.rename(f.name, f.name[:-4])
-if mode.startswith("exit"):
-    time.sleep(0.3)
-    sys.exit(int(mode[4:]))
-print("ready", flush=True)
-time.sleep(120)
-"""
-
-
-def _alive(pid):
-    try:
-        os.kill(pid, 0)
-        with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, just not yet reaped by its parent
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (ProcessLookupError, FileNotFoundError):
-        return False
-
-
-@pytest.fixture
-def reaper(tmp_path):
-    """Yields (pid_dir, started): kills every kfrun in `started` and every pid in pid_dir at teardown."""
-    pid_dir = tmp_path / "pids"
-    pid_dir.mkdir()
-    started = []
-    yield pid_dir, started
-    for proc in started:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    for f in pid_dir.glob("[wc]*[0-9]"):
-        pid = int(f.read_text())
-        for kill in (os.killpg, os.kill):
-            try:
-                kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def _env(extra=None):
-    env = dict(os.environ, PYTHONPATH=PYTHONPATH)
-    env.update(extra or {})
-    return env
-
-
-def start_kfrun(args, reaper, extra_env=None):
-    proc = subprocess.Popen(KFRUN + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_env(dict(extra_env or {}, PID_DIR=str(reaper[0]))), start_new_session=True)
-    reaper[1].append(proc)
-    return proc
-
-
-def run_kfrun(args, reaper, extra_env=None, timeout=30):
-    proc = start_kfrun(args, reaper, extra_env)
-    out, err = proc.communicate(timeout=timeout)
-    return proc.returncode, out, err
-
-
-def _wait_for_files(pid_dir, names, timeout=15):
-    deadline = time.monotonic() + timeout
-    while not all((pid_dir / n).exists() for n in names):
-        assert time.monotonic() < deadline, f"workers never wrote {names}; found {os.listdir(pid_dir)}"
-        time.sleep(0.05)
-    return {n: int((pid_dir / n).read_text()) for n in names}
-
-
-def _records(out):
-    recs = {}
-    for line in out.splitlines():
-        m = re.match(r"\[(\d+)\] ENV (.*)$", line)
-        if m:
-            recs[int(m.group(1))] = json.loads(m.group(2))
-    return recs
+from launcher_util import ENV_WORKER, PID_WORKER, alive, fake_ssh_path, records, run_kfrun, start_kfrun, wait_for_files
+from launcher_util import reaper  # noqa: F401  (a fixture)
 
 
 @pytest.mark.parametrize("np", [1, 2, 3, 4])
@@ -127,7 +33,7 @@ def test_env_contract(np, reaper, tmp_path):
     script.write_text(ENV_WORKER)
     rc, out, err = run_kfrun(["-np", str(np), "--timeout", "7", "--", sys.executable, str(script)], reaper)
     assert rc == 0, err
-    recs = _records(out)
+    recs = records(out)
     assert sorted(recs) == list(range(np)), out
     peers = recs[0]["env"]["KUNGFU_PEERS"].split(",")
     assert len(peers) == np and len({p.split(":")[1] for p in peers}) == np
@@ -177,6 +83,13 @@ def test_first_failure_exit_code_propagates(reaper):
     assert "worker 1 (127.0.0.1:" in err and "exit code 7" in err
 
 
+def test_a_worker_killed_by_a_signal_is_named_so(reaper):
+    rc, out, err = run_kfrun(["-np", "2", "--grace", "1", "--", sys.executable, "-c", PID_WORKER, "0=sig9", "1=exit0"],
+                             reaper)
+    assert rc == 128 + 9, err
+    assert "worker 0 (127.0.0.1:" in err and "exit code 137: killed by signal 9 (SIGKILL)" in err, err
+
+
 def test_hanging_workers_are_stopped_after_grace(reaper):
     pid_dir, _ = reaper
     args = ["-np", "3", "--grace", "1", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER,
@@ -185,8 +98,8 @@ def test_hanging_workers_are_stopped_after_grace(reaper):
     rc, out, err = run_kfrun(args, reaper)
     assert rc == 3 and time.monotonic() - start < 15, err
     assert "--grace" in err and "SIGKILL" in err
-    pids = _wait_for_files(pid_dir, [f"{k}{r}" for k in "wc" for r in range(3)])
-    assert not [n for n, pid in pids.items() if _alive(pid)], "processes left behind"
+    pids = wait_for_files(pid_dir, [f"{k}{r}" for k in "wc" for r in range(3)])
+    assert not [n for n, pid in pids.items() if alive(pid)], "processes left behind"
 
 
 def test_success_leaves_no_grandchild(reaper):
@@ -194,20 +107,8 @@ def test_success_leaves_no_grandchild(reaper):
     rc, out, err = run_kfrun(["-np", "2", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER,
                               "0=exit0", "1=exit0"], reaper)
     assert rc == 0, err
-    pids = _wait_for_files(pid_dir, ["c0", "c1"])
-    assert not [n for n, pid in pids.items() if _alive(pid)], "grandchildren left behind"
-
-
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_signal_to_kfrun_stops_every_process(signum, reaper):
-    pid_dir, _ = reaper
-    proc = start_kfrun(["-np", "3", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER, "2=stubborn"], reaper)
-    pids = _wait_for_files(pid_dir, [f"{k}{r}" for k in "wc" for r in range(3)])
-    proc.send_signal(signum)
-    out, err = proc.communicate(timeout=20)
-    assert proc.returncode == 128 + signum, err
-    assert f"got {signal.Signals(signum).name}" in err
-    assert not [n for n, pid in pids.items() if _alive(pid)], "processes left behind"
+    pids = wait_for_files(pid_dir, ["c0", "c1"])
+    assert not [n for n, pid in pids.items() if alive(pid)], "grandchildren left behind"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -231,10 +132,30 @@ def test_signal_to_kfrun_stops_every_process(signum, reaper):
     (["-np", "1", "--kill-after", "inf", "--", "x"], "--kill-after must be positive"),
     (["-np", "1", "-x", "KUNGFU_RANK=0", "--", "x"], "kfrun sets KUNGFU_RANK for each worker itself"),
     (["-np", "1", "-x", "KUNGFU_TIMEOUT=5", "--", "x"], "use --timeout"),
+    (["-np", "1", "-H=-Fevil:1", "--", "x"], "'-Fevil' is not a host name (a host name cannot start with '-')"),
+    (["-np", "2", "-H", "-oProxyCommand=x", "--", "x"], "cannot start with '-'"),
+    (["-np", "2", "-H", "127.0.0.1:1", "-H", "127.0.0.1:1", "--", "x"], "host '127.0.0.1' is listed twice"),
 ])
 def test_bad_arguments(args, message, reaper):
     rc, out, err = run_kfrun(args, reaper)
     assert rc == 2 and message in err and "kfrun --help" in err, err
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"-Fevil slots=1\n", "hosts:1: '-Fevil' is not a host name (a host name cannot start with '-')"),
+    (b"node1 slots=2 # caf\xe9\n", "not UTF-8 text: byte 0xe9 at offset 19 (line 1)"),
+    (b"\xef\xbb\xbfnode1:1\nnode2:1 # \xff\n", "not UTF-8 text: byte 0xff at offset 21 (line 2)"),
+])
+def test_bad_hostfile(content, message, reaper, tmp_path):
+    path = tmp_path / "hosts"
+    path.write_bytes(content)
+    rc, out, err = run_kfrun(["-np", "1", "--hostfile", str(path), "--", "true"], reaper)
+    assert rc == 2 and message in err and "kfrun --help" in err and "Traceback" not in err, err
+
+
+def test_repeated_h_adds_hosts_as_mpirun_does():
+    opts = cli.parse_args(["kfrun", "-np", "3", "-H", "10.1.0.1:2", "-H", "10.1.0.2", "--", "x"])
+    assert opts.hosts == [hosts.HostSpec("10.1.0.1", 2), hosts.HostSpec("10.1.0.2", 1)]
 
 
 def test_kungfu_timeout_in_the_environment_is_the_default(reaper):
@@ -254,24 +175,6 @@ def test_x_sets_the_variable_for_every_worker(reaper):
                               "-c", code], reaper, {"FOO": "inherited"})
     assert rc == 0, err
     assert sorted(out.splitlines()) == ["[0] bar 0", "[1] bar 0"]
-
-
-def test_signals_are_forwarded_while_output_is_blocked(reaper):
-    """Nobody reads kfrun's output here, so its output threads block; SIGINT must still stop the job."""
-    pid_dir, _ = reaper
-    code = ("import os, signal, sys, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-            "path = os.path.join(os.environ['PID_DIR'], 'w0')\nopen(path + '.tmp', 'w').write(str(os.getpid()))\n"
-            "os.rename(path + '.tmp', path)\nfor _ in range(2000): print('x' * 1000, flush=True)\ntime.sleep(120)")
-    proc = start_kfrun(["-np", "1", "--kill-after", "1", "--", sys.executable, "-c", code], reaper)
-    pid = _wait_for_files(pid_dir, ["w0"])["w0"]
-    time.sleep(1)  # the pipes fill: kfrun's pump now blocks writing to its stdout
-    proc.send_signal(signal.SIGINT)
-    deadline = time.monotonic() + 10
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(pid), "the worker outlived --kill-after while kfrun's output was blocked"
-    out, err = proc.communicate(timeout=20)
-    assert proc.returncode == 128 + signal.SIGINT and "got SIGINT" in err, err[-2000:]
 
 
 def test_command_not_found(reaper):
@@ -304,7 +207,9 @@ def test_parse_host_list():
     assert hosts.parse_host_list("127.0.0.1:4,10.1.0.2:4") == [
         hosts.HostSpec("127.0.0.1", 4), hosts.HostSpec("10.1.0.2", 4)]
     assert hosts.parse_host_list("node") == [hosts.HostSpec("node", 1)]
-    for bad in ["", "a:", "a:-1", "a:1,", "a b:1", "a:1:2"]:
+    assert hosts.parse_host_list(["a:1", "b:2,c"]) == [
+        hosts.HostSpec("a", 1), hosts.HostSpec("b", 2), hosts.HostSpec("c", 1)]
+    for bad in ["", "a:", "a:-1", "a:1,", "a b:1", "a:1:2", "-F:1", "-oProxyCommand=x", ["a:1", "a:2"], ["a:1", ""]]:
         with pytest.raises(hosts.UsageError):
             hosts.parse_host_list(bad)
 
@@ -319,7 +224,8 @@ def test_plan_fills_hosts_in_order():
     spec = [hosts.HostSpec("127.0.0.1", 2), hosts.HostSpec("10.1.0.2", 2), hosts.HostSpec("localhost", 1),
             hosts.HostSpec("10.1.0.3", 9)]
     busy = {10001}
-    workers = plan.plan_workers(spec, 6, (10000, 10010), local_check=local, port_free=lambda p: p not in busy)
+    workers = plan.plan_workers(spec, 6, (10000, 10010), local_check=local, port_free=lambda p: p not in busy,
+                                start=0)
     got = [(w.rank, w.addr, w.local_rank, w.local_size, w.is_local) for w in workers]
     assert got == [
         (0, "127.0.0.1:10000", 0, 3, True), (1, "127.0.0.1:10002", 1, 3, True),  # 10001 is taken
@@ -327,7 +233,36 @@ def test_plan_fills_hosts_in_order():
         (4, "localhost:10003", 2, 3, True),  # same machine as 127.0.0.1: shares its ports
         (5, "10.1.0.3:10000", 0, 1, False)]
     with pytest.raises(hosts.UsageError, match="widen --port-range"):
-        plan.plan_workers(spec[:1], 2, (10000, 10001), local_check=local, port_free=lambda p: p != 10001)
+        plan.plan_workers(spec[:1], 2, (10000, 10001), local_check=local, port_free=lambda p: p != 10001, start=0)
+
+
+def test_plan_starts_at_a_random_port_and_wraps_around():
+    """Two jobs started together with the same --port-range must not both take its first ports."""
+    local = {"127.0.0.1": True, "10.1.0.2": False}.__getitem__
+    spec = [hosts.HostSpec("127.0.0.1", 3), hosts.HostSpec("10.1.0.2", 2)]
+    workers = plan.plan_workers(spec, 5, (10000, 10003), local_check=local, port_free=lambda p: p != 10000, start=2)
+    assert [w.port for w in workers] == [10002, 10003, 10001, 10002, 10003]  # 10000 is taken here, not there
+    with pytest.raises(hosts.UsageError, match="widen --port-range"):
+        plan.plan_workers(spec[:1], 3, (10000, 10002), local_check=local, port_free=lambda p: p != 10001, start=2)
+    firsts = {plan.plan_workers(spec, 5, (10000, 10999), local_check=local, port_free=lambda p: True)[0].port
+              for _ in range(20)}
+    assert len(firsts) > 1, firsts  # 20 equal draws from 1000 places: about 1e-57
+    for _ in range(20):
+        workers = plan.plan_workers(spec, 5, (10000, 10003), local_check=local, port_free=lambda p: True)
+        ports = [w.port for w in workers]
+        assert len(set(ports[:3])) == 3 and len(set(ports[3:])) == 2  # distinct on each host
+
+
+def test_init_errors_name_the_kfrun_flag_that_fixes_them():
+    cluster = SimpleNamespace(rank=1, size=2)
+    text = "listening as 127.0.0.1:25002 (rank 1): bind port 25002: Address already in use"
+    message = _lib._init_error_message(14, cluster, text)
+    assert message.startswith("kungfu.init (rank 1 of 2): listening as") and "`kfrun --port-range A-B`" in message
+    assert "`kfrun --timeout`" in _lib._init_error_message(4, cluster, "peer 127.0.0.1:25001 (rank 0): not up")
+    timeout = "allreduce 'g': timed out after 5.000000 s (KUNGFU_TIMEOUT); waiting for rank 1"
+    e = errors.from_code(4, timeout)
+    assert "(KUNGFU_TIMEOUT, set by `kfrun --timeout`); waiting for rank 1" in str(e), str(e)
+    assert str(errors.from_code(14, timeout)) == timeout  # not a timeout: left alone
 
 
 def test_plan_skips_a_port_in_use():
@@ -341,7 +276,8 @@ def test_plan_skips_a_port_in_use():
 
 
 def test_worker_env_contract():
-    workers = plan.plan_workers([hosts.HostSpec("127.0.0.1", 2)], 2, (10000, 10100), port_free=lambda p: True)
+    workers = plan.plan_workers([hosts.HostSpec("127.0.0.1", 2)], 2, (10000, 10100), port_free=lambda p: True,
+                                start=0)
     env = plan.worker_env(workers[1], workers, "tok", 12.5, environ={})
     assert env == {"KUNGFU_PEERS": "127.0.0.1:10000,127.0.0.1:10001", "KUNGFU_RANK": "1", "KUNGFU_SIZE": "2",
                    "KUNGFU_LOCAL_RANK": "1", "KUNGFU_LOCAL_SIZE": "2", "KUNGFU_TOKEN": "tok",
@@ -379,9 +315,9 @@ def test_resolve_cluster_defaults():
 
 def test_ssh_command_construction():
     argv = ssh.ssh_command("10.1.0.2", "/data/my job", {"KUNGFU_RANK": "1"}, ["python", "t.py", "--x=a b"], 30)
-    assert argv[:6] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", "10.1.0.2"]
-    assert argv[6].startswith("sh -c ") and len(argv) == 7
-    assert "KUNGFU_TOKEN=" not in argv[6]  # the token travels on stdin
+    assert argv[:7] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", "--", "10.1.0.2"]  # -- : not an option
+    assert argv[7].startswith("sh -c ") and len(argv) == 8
+    assert "KUNGFU_TOKEN=" not in argv[7]  # the token travels on stdin
     with pytest.raises(ValueError):
         ssh.ssh_command("h", "/", {"KUNGFU_TOKEN": "t"}, ["x"])
     with pytest.raises(ValueError):
@@ -412,21 +348,11 @@ def test_ssh_remote_worker_dies_when_stdin_closes(reaper):
     reaper[1].append(proc)
     proc.stdin.write(b"secret\n")
     proc.stdin.flush()
-    pids = _wait_for_files(pid_dir, ["w0", "c0"])
+    pids = wait_for_files(pid_dir, ["w0", "c0"])
     proc.stdin.close()  # what kfrun does to stop it, and what sshd does when kfrun or ssh dies
     assert proc.wait(timeout=10) == 128 + signal.SIGTERM
     time.sleep(0.2)
-    assert not [n for n, pid in pids.items() if _alive(pid)]
-
-
-def _fake_ssh_path(tmp_path):
-    """A PATH whose `ssh` runs the remote command here, as sshd would."""
-    fake = tmp_path / "bin" / "ssh"
-    fake.parent.mkdir()
-    fake.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do case "$1" in -o) shift 2;; -*) shift;; *) break;; esac; done\n'
-                    'shift\nexec sh -c "$*"\n')
-    fake.chmod(0o755)
-    return f"{fake.parent}:{os.environ['PATH']}"
+    assert not [n for n, pid in pids.items() if alive(pid)]
 
 
 def test_remote_workers_through_fake_ssh(tmp_path, reaper):
@@ -434,14 +360,14 @@ def test_remote_workers_through_fake_ssh(tmp_path, reaper):
     pid_dir, _ = reaper
     proc = start_kfrun(["-np", "3", "-H", "nohost-a.invalid:2,nohost-b.invalid:1", "-x", "PYTHONPATH", "-x",
                         f"PID_DIR={pid_dir}", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER],
-                       reaper, {"PATH": _fake_ssh_path(tmp_path)})
-    pids = _wait_for_files(pid_dir, [f"{k}{r}" for k in "wc" for r in range(3)])
+                       reaper, {"PATH": fake_ssh_path(tmp_path)})
+    pids = wait_for_files(pid_dir, [f"{k}{r}" for k in "wc" for r in range(3)])
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert sorted(out.splitlines()) == ["[0] ready", "[1] ready", "[2] ready"]
     time.sleep(0.2)
-    assert not [n for n, pid in pids.items() if _alive(pid)], "remote processes left behind"
+    assert not [n for n, pid in pids.items() if alive(pid)], "remote processes left behind"
 
 
 def test_remote_worker_leaves_no_grandchild(tmp_path, reaper):
@@ -449,8 +375,8 @@ def test_remote_worker_leaves_no_grandchild(tmp_path, reaper):
     pid_dir, _ = reaper
     rc, out, err = run_kfrun(["-np", "2", "-H", "nohost-a.invalid:1,nohost-b.invalid:1", "-x", "PYTHONPATH", "-x",
                               f"PID_DIR={pid_dir}", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER,
-                              "0=exit0", "1=exit0"], reaper, {"PATH": _fake_ssh_path(tmp_path)})
+                              "0=exit0", "1=exit0"], reaper, {"PATH": fake_ssh_path(tmp_path)})
     assert rc == 0, err
-    pids = _wait_for_files(pid_dir, ["c0", "c1"])
+    pids = wait_for_files(pid_dir, ["c0", "c1"])
     time.sleep(0.2)
-    assert not [n for n, pid in pids.items() if _alive(pid)], "remote grandchildren left behind"
+    assert not [n for n, pid in pids.items() if alive(pid)], "remote grandchildren left behind"

@@ -124,13 +124,23 @@ def init():
         code = lib.c.kungfu_init(",".join(cluster.peers).encode(), cluster.rank, cluster.token.encode(),
                                  float(cluster.timeout), cluster.version, err, _ERR_LEN)
         if code != 0:
-            raise errors.from_code(code, f"kungfu.init (rank {cluster.rank} of {cluster.size}): "
-                                   f"{err.value.decode(errors='replace')}")
+            raise errors.from_code(code, _init_error_message(code, cluster, err.value.decode(errors="replace")))
         _cluster = cluster
         if not _atexit_registered:
             atexit.register(finalize)
             _note_uncaught_exceptions()
             _atexit_registered = True
+
+
+def _init_error_message(code, cluster, text):
+    """The message of init's error, with a hint at the kfrun flag that fixes the usual causes."""
+    message = f"kungfu.init (rank {cluster.rank} of {cluster.size}): {text}"
+    if "Address already in use" in text:
+        message += ("; another job or program holds that port (two jobs started at once may pick the same "
+                    "ports): give this job other ports with `kfrun --port-range A-B`")
+    elif code == errors._DEADLINE_EXCEEDED and "KUNGFU_TIMEOUT" not in text:
+        message += " (the deadline is KUNGFU_TIMEOUT, set by `kfrun --timeout`)"
+    return message
 
 
 def _note_uncaught_exceptions():
@@ -173,7 +183,7 @@ def _finalize_barrier():
                                         b"kungfu/finalize", err, _ERR_LEN)
     if code != 0:
         logging.getLogger("kungfu").warning("kungfu.finalize: not every worker reached finalize (%s); leaving anyway",
-                                            err.value.decode(errors="replace"))
+                                            errors.with_timeout_hint(code, err.value.decode(errors="replace")))
     return code == 0
 
 

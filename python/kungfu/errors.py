@@ -5,12 +5,15 @@
     ├── MismatchError          workers disagree on a collective (dtype, shape, count)   fatal: a program bug
     ├── PeerError              a peer failed, closed its connection or is unreachable   recoverable
     │   └── CollectiveTimeout  a collective or the start-up missed its deadline        recoverable
-    ├── ClusterChangedError    work met a message of another cluster version            recoverable
+    ├── ClusterChangedError    peers under different cluster versions (see below)      recoverable
     ├── EngineError            anything else the engine reports                        fatal
     └── PolicyError            an adaptation policy raised, or asked for what it cannot  fatal
 
-Recoverable errors mean "the cluster is not what it was": a caller that can rebuild it (resize, restart
-from a checkpoint) may carry on; `is_recoverable(exc)` tells which is which.
+Recoverable errors mean "the cluster is not what it was": a caller that can rebuild it (today: restart
+the job from a checkpoint) may carry on; `is_recoverable(exc)` tells which is which. Membership is fixed
+for the life of a job in this version: nothing resizes a cluster, so ClusterChangedError only reports
+workers started with different KUNGFU_CLUSTER_VERSION values (a misconfigured launch). It is reserved
+for resizing, which a later version adds.
 
 Where these are raised: kungfu raises them itself from Python (init(), rank() and the collective
 wrappers' own checks). A collective that fails while it runs inside TensorFlow surfaces as the
@@ -57,7 +60,9 @@ class CollectiveTimeout(PeerError):
 
 
 class ClusterChangedError(KungFuError):
-    """Work started under one cluster version met another: the cluster was resized meanwhile."""
+    """Work started under one cluster version met a message of another. Reserved for resizing, which a
+    later version adds; membership is fixed for the life of a job now, so today it only means workers
+    were started with different KUNGFU_CLUSTER_VERSION values."""
 
     recoverable = True
 
@@ -82,9 +87,16 @@ _BY_CODE = {
 }
 
 
+def with_timeout_hint(code, message):
+    """message, with the engine's "(KUNGFU_TIMEOUT)" in a timeout naming kfrun's flag that sets it too."""
+    if code == _DEADLINE_EXCEEDED and "kfrun --timeout" not in message:
+        return message.replace("(KUNGFU_TIMEOUT)", "(KUNGFU_TIMEOUT, set by `kfrun --timeout`)", 1)
+    return message
+
+
 def from_code(code, message):
     """The KungFuError for an engine status code (nonzero) and its message."""
-    return _BY_CODE.get(code, EngineError)(message, code=code)
+    return _BY_CODE.get(code, EngineError)(with_timeout_hint(code, message), code=code)
 
 
 def from_tf_error(error):

@@ -31,7 +31,7 @@ class Options:
     np: int  # number of workers
     hosts: list  # [hosts.HostSpec], in the order ranks fill them
     timeout: float  # KUNGFU_TIMEOUT: the deadline of every blocking wait in the workers
-    grace: float  # after a failure, how long the others may run on before SIGTERM
+    grace: float  # after a failure, how long the others may run on before SIGTERM (see also supervisor.py)
     kill_after: float  # from SIGTERM to SIGKILL
     port_range: tuple  # (first, last) engine port, inclusive
     forward_env: dict  # extra variables for every worker (-x); the KUNGFU_* contract is not among them
@@ -44,15 +44,19 @@ def _define_flags():
     fv = flags.FlagValues()
     flags.DEFINE_boolean("help", False, "Show this help and exit.", short_name="h", flag_values=fv)
     flags.DEFINE_integer("np", None, "Number of workers (required).", flag_values=fv)
-    flags.DEFINE_string("H", None, "Hosts and slots: host:N,host:N,... (default: 127.0.0.1:np).", flag_values=fv)
+    flags.DEFINE_multi_string("H", None, "Hosts and slots: host:N,host:N,... (default: 127.0.0.1:np); repeatable: "
+                              "-H a:2 -H b:2 is -H a:2,b:2, as with mpirun", flag_values=fv)
     flags.DEFINE_string("hostfile", None, "File of 'host slots=N' or 'host:N' lines; # comments.", flag_values=fv)
     flags.DEFINE_float("timeout", 60.0, "Seconds; every blocking wait in a worker (KUNGFU_TIMEOUT; default: "
                        "$KUNGFU_TIMEOUT if set, else 60).", flag_values=fv)
     flags.DEFINE_float(
         "grace", None, "Seconds the others may run on after a worker fails, before SIGTERM "
-        "(default: timeout + 10).", flag_values=fv)
+        "(default: timeout + 10). Once a worker has exited 0, the others must exit within timeout + grace "
+        "seconds, or they are taken to have stalled: SIGTERM, and exit code 124.", flag_values=fv)
     flags.DEFINE_float("kill-after", 5.0, "Seconds from SIGTERM to SIGKILL.", flag_values=fv)
-    flags.DEFINE_string("port-range", plan.DEFAULT_PORT_RANGE, "Engine ports A-B to pick from.", flag_values=fv)
+    flags.DEFINE_string("port-range", plan.DEFAULT_PORT_RANGE, "Engine ports A-B to pick from, from a random "
+                        "place in the range (so that jobs started together rarely pick the same ports).",
+                        flag_values=fv)
     flags.DEFINE_enum(
         "bind-to", "none", ["none", "core"], "core: bind each worker to its share of its machine's cores "
         "(like mpirun --bind-to core); none: let them float.", flag_values=fv)

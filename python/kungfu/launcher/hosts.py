@@ -5,6 +5,7 @@ names (127.0.0.1, localhost, this machine's name or one of its addresses) are on
 one pool of ports and one LOCAL_RANK numbering.
 """
 
+import codecs
 import dataclasses
 import socket
 
@@ -32,6 +33,8 @@ def _parse_slots(text, where):
 
 
 def _check_host_name(host, where):
+    if host.startswith("-"):  # ssh would take it for an option (-F file, -oProxyCommand...)
+        raise UsageError(f"{where}: '{host}' is not a host name (a host name cannot start with '-')")
     if not host or any(c in host for c in " \t,:=/@'\"\\$`;&|<>()"):
         raise UsageError(f"{where}: '{host}' is not a host name or IPv4 address")
     return host
@@ -57,13 +60,18 @@ def _no_duplicates(hosts, where):
     return hosts
 
 
-def parse_host_list(text):
-    """Parses -H: 'host:N,host:N,...'."""
-    where = f"-H '{text}'"
-    entries = [e.strip() for e in text.split(",")]
-    if not text.strip() or any(not e for e in entries):
-        raise UsageError(f"{where}: expected host:slots[,host:slots...], e.g. -H 127.0.0.1:4,10.1.0.2:4")
-    return _no_duplicates([_parse_entry(e, where) for e in entries], where)
+def parse_host_list(texts):
+    """Parses -H: 'host:N,host:N,...', or a list of such (-H given more than once adds hosts, as with
+    OpenMPI's mpirun: `-H a:2 -H b:2` is `-H a:2,b:2`)."""
+    texts = [texts] if isinstance(texts, str) else list(texts)
+    where = " ".join(f"-H '{t}'" for t in texts)
+    hosts = []
+    for text in texts:
+        entries = [e.strip() for e in text.split(",")]
+        if not text.strip() or any(not e for e in entries):
+            raise UsageError(f"-H '{text}': expected host:slots[,host:slots...], e.g. -H 127.0.0.1:4,10.1.0.2:4")
+        hosts.extend(_parse_entry(e, f"-H '{text}'") for e in entries)
+    return _no_duplicates(hosts, where)
 
 
 def _parse_hostfile_line(line, where):
@@ -87,13 +95,25 @@ def parse_hostfile_text(text, name="hostfile"):
     return _no_duplicates(hosts, name)
 
 
+def _decode_hostfile(data, path):
+    """UTF-8 text of the file's bytes; a byte-order mark some editors write is dropped."""
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0
+    try:
+        return data[bom:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = bom + e.start
+        line = data.count(b"\n", 0, at) + 1
+        raise UsageError(f"--hostfile {path}: not UTF-8 text: byte 0x{data[at]:02x} at offset {at} (line {line}); "
+                         "save it as UTF-8") from None
+
+
 def parse_hostfile(path):
     try:
-        with open(path, encoding="utf-8-sig") as f:  # -sig: a byte-order mark some editors write is dropped
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise UsageError(f"--hostfile {path}: cannot read it: {e.strerror}") from None
-    return parse_hostfile_text(text, path)
+    return parse_hostfile_text(_decode_hostfile(data, path), path)
 
 
 def is_loopback(host):

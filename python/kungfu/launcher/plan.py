@@ -3,11 +3,14 @@
 Ranks fill hosts in the order given (host 1 gets its slots first). Ports come from --port-range,
 one pool per machine; on this machine a port is taken only if binding it succeeds now (the engine binds
 it a moment later, so a port grabbed in between makes the engine fail with a clear bind error).
-Remote ports cannot be checked from here and are handed out in order.
+Remote ports cannot be checked from here and are handed out in order. Each job starts its search at a
+random place in the range (wrapping around at its end): two jobs started a moment apart with the same
+range would otherwise both pick its first ports, since neither engine has bound them yet.
 """
 
 import dataclasses
 import os
+import random
 import socket
 
 from . import hosts as hosts_lib
@@ -65,33 +68,37 @@ def _assign_hosts(hosts, np):
 
 
 class _PortPool:
-    def __init__(self, port_range, port_free):
+    def __init__(self, port_range, port_free, start):
         self._range = port_range
         self._free = port_free
-        self._next = {}  # machine key -> next port to try
+        self._start = start  # offset in the range where every machine's search begins
+        self._tried = {}  # machine key -> how many ports from the start were handed out or found taken
 
     def take(self, key, local):
         lo, hi = self._range
-        port = self._next.get(key, lo)
-        while port <= hi:
+        count = hi - lo + 1
+        for i in range(self._tried.get(key, 0), count):
+            port = lo + (self._start + i) % count
             if not local or self._free(port):
-                self._next[key] = port + 1
+                self._tried[key] = i + 1
                 return port
-            port += 1
         raise UsageError(
             f"--port-range {lo}-{hi} has no free port left for another worker on "
             f"{'this machine' if local else key}; widen --port-range"
         )
 
 
-def plan_workers(hosts, np, port_range, local_check=hosts_lib.is_local, port_free=port_is_free):
-    """Returns one WorkerSpec per rank, in rank order."""
+def plan_workers(hosts, np, port_range, local_check=hosts_lib.is_local, port_free=port_is_free, start=None):
+    """Returns one WorkerSpec per rank, in rank order. start: the offset in port_range where the search for
+    ports begins (default: random, so that jobs started together rarely pick the same ports)."""
     placed = _assign_hosts(hosts, np)
     local = {h: local_check(h) for h in set(placed)}
     keys = [hosts_lib.LOCAL_MACHINE if local[h] else h.lower() for h in placed]
     sizes = {k: keys.count(k) for k in keys}
     seen = {}
-    pool = _PortPool(port_range, port_free)
+    if start is None:
+        start = random.randrange(port_range[1] - port_range[0] + 1)
+    pool = _PortPool(port_range, port_free, start)
     workers = []
     for rank, (host, key) in enumerate(zip(placed, keys)):
         local_rank = seen.get(key, 0)

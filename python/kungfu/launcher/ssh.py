@@ -1,14 +1,16 @@
 """The ssh command that starts one remote worker.
 
-    ssh -o BatchMode=yes -o ConnectTimeout=T HOST 'sh -c '\''<script>'\'''
+    ssh -o BatchMode=yes -o ConnectTimeout=T -- HOST 'sh -c '\''<script>'\'''
 
 The script (POSIX sh, whatever the remote login shell) does what `cd CWD && env K=V... cmd` would, plus
 two things that plain form cannot:
   1. The job token is read from the first line of stdin, not put on a command line, so it does not
      show in `ps` on either machine.
   2. A watcher holds the rest of stdin. When kfrun closes that pipe, or kfrun or ssh dies (sshd then
-     closes it), the watcher sends SIGTERM to the worker's process group, then SIGKILL after a few
-     seconds. Without a tty, killing ssh alone would leave the remote worker running.
+     closes it), the watcher sends SIGTERM (and SIGCONT, in case it was stopped) to the worker's
+     process group, then SIGKILL after a few seconds. Without a tty, killing ssh alone would leave the
+     remote worker running. A line USR1, USR2, STOP or CONT on stdin makes the watcher send that signal
+     to the group: that is how kfrun passes those signals on (ssh cannot carry signals without a tty).
 The worker runs under setsid (when the remote has it) so its whole process group can be signalled.
 Once the worker exits, whatever it left running in that group gets SIGTERM, then SIGKILL, as kfrun
 does for local workers. The worker's exit status becomes ssh's (ssh itself fails with 255).
@@ -28,14 +30,16 @@ exec 3<&0
 s=; command -v setsid >/dev/null 2>&1 && s=setsid
 $s {command} </dev/null 3<&- &
 pid=$!
-{{ cat >/dev/null; kill -TERM -$pid || kill -TERM $pid; sleep {kill_after}; \
-kill -KILL -$pid || kill -KILL $pid; }} <&3 >/dev/null 2>&1 &
+sig() {{ kill -$1 -$pid 2>/dev/null || kill -$1 $pid 2>/dev/null; }}
+{{ while IFS= read -r name; do case $name in USR1|USR2|STOP|CONT) sig $name;; esac; done
+sig TERM; sig CONT; sleep {kill_after}; sig KILL; }} <&3 >/dev/null 2>&1 &
 watcher=$!
 exec 3<&-
 wait $pid
 rc=$?
 kill $watcher 2>/dev/null
 if kill -TERM -$pid 2>/dev/null; then
+  kill -CONT -$pid 2>/dev/null
   i=0
   while [ $i -lt {kill_after} ] && kill -0 -$pid 2>/dev/null; do sleep 1; i=$((i+1)); done
   kill -KILL -$pid 2>/dev/null
@@ -70,6 +74,7 @@ def ssh_command(host, cwd, env, command, connect_timeout=60, kill_after=5):
         "ssh",
         "-o", "BatchMode=yes",
         "-o", f"ConnectTimeout={max(1, int(connect_timeout))}",
+        "--",  # HOST is never an option, whatever its spelling (hosts.py refuses a leading '-' too)
         host,
         "sh -c " + shlex.quote(script),
     ]

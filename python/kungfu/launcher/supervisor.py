@@ -8,12 +8,21 @@ Policy:
   - The job's exit code is that of the first worker to fail (a signal N counts as 128+N), else 0.
   - After a failure the others get --grace seconds to finish or fail on their own (the engine tells
     them a peer is gone), then SIGTERM, then SIGKILL --kill-after seconds later.
-  - SIGINT/SIGTERM/SIGHUP to kfrun are forwarded to every worker's process group; SIGKILL follows
-    --kill-after seconds later, or at once on a second signal.
+  - Once a worker has exited 0, the others get --timeout + --grace seconds to exit too: a worker that
+    finished waits in kungfu.finalize()'s barrier for at most --timeout, so one still running after
+    that has stalled. Then SIGTERM, SIGKILL, and the job exits with STALLED (124, as timeout(1) does).
+  - SIGINT/SIGTERM/SIGHUP/SIGQUIT/SIGALRM to kfrun are forwarded to every worker's process group
+    and end the job (128+N); SIGKILL follows --kill-after seconds later, or at once on a second one.
+    A SIGHUP that kfrun's parent made it ignore (nohup) stays ignored.
+  - SIGUSR1/SIGUSR2 are passed on to every worker's process group and the job goes on (as mpirun does:
+    batch schedulers send them ahead of a time limit). SIGTSTP (Ctrl-Z) stops every worker (SIGSTOP
+    to its group), then kfrun itself; SIGCONT (fg, bg) continues them, and the deadlines above are
+    moved by the time spent stopped. Remote workers get these through their remote script (ssh.py).
   - Whatever happens, including an exception in kfrun, shutdown() runs: it terminates and then kills
     every process group still populated, and reaps every worker.
 """
 
+import os
 import queue
 import signal
 import threading
@@ -21,12 +30,31 @@ import time
 
 from . import worker as worker_lib
 
-_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM)  # forwarded; the job ends
+_PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)  # forwarded; the job goes on
 _POLL = 0.2  # seconds between looks at the deadlines while nothing happens
+STALLED = 124  # the exit code when workers were stopped for outliving a finished one by --timeout + --grace
 
 
 def exit_code(returncode):
     return 128 - returncode if returncode < 0 else returncode
+
+
+def _signal_name(signum):
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return "an unknown signal"
+
+
+def describe_exit(returncode, is_local=True):
+    """'exit code 7', or for a worker killed by a signal, 'exit code 139: killed by signal 11 (SIGSEGV)'."""
+    code = exit_code(returncode)
+    if returncode < 0:
+        return f"exit code {code}: killed by signal {-returncode} ({_signal_name(-returncode)})"
+    if not is_local and 128 < code < 128 + 65:  # the remote shell reports a signal N as 128+N
+        return f"exit code {code} (128+{code - 128}: killed by signal {code - 128}, {_signal_name(code - 128)}?)"
+    return f"exit code {code}"
 
 
 class Supervisor:
@@ -41,6 +69,9 @@ class Supervisor:
         self._signal = None  # first signal received
         self._term_at = None  # monotonic time to SIGTERM the remaining workers
         self._kill_at = None  # monotonic time to SIGKILL them
+        self._stall_at = None  # monotonic time after which workers still running have stalled
+        self._finished = None  # the rank that exited 0 first while others ran on (the stall clock's start)
+        self._stalled = False  # whether the remaining workers were stopped for stalling
 
     def run(self):
         """Starts every worker and waits for the job; returns kfrun's exit code."""
@@ -58,7 +89,42 @@ class Supervisor:
     def _install_signal_handlers(self):
         if threading.current_thread() is not threading.main_thread():
             return {}
-        return {s: signal.signal(s, self._on_signal) for s in _FORWARDED}
+        handlers = {s: self._on_signal for s in _ENDING}
+        handlers.update({s: self._on_pass for s in _PASSED_ON})
+        handlers.update({signal.SIGTSTP: self._on_tstp, signal.SIGCONT: self._on_cont})
+        if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN:
+            del handlers[signal.SIGHUP]  # nohup kfrun ...: the user asked for the job to outlive the terminal
+        return {s: signal.signal(s, h) for s, h in handlers.items()}
+
+    def _on_pass(self, signum, frame):
+        for w in self._workers:
+            w.send(signum)
+        self._printer.message(f"got {signal.Signals(signum).name}; passed it on to every worker (the job goes on)")
+
+    def _on_tstp(self, signum, frame):
+        """Ctrl-Z: stops the workers, then kfrun (SIGSTOP: a SIGTSTP to itself would be dropped when kfrun's
+        process group is orphaned, e.g. under setsid, leaving the workers stopped and kfrun running)."""
+        for w in self._workers:
+            w.send(signal.SIGSTOP)
+        self._printer.message("got SIGTSTP; stopped every worker and now kfrun (fg or SIGCONT continues them)")
+        time.sleep(0.05)  # let the note out before kfrun stops
+        paused = time.monotonic()
+        os.kill(os.getpid(), signal.SIGSTOP)  # returns once kfrun is continued
+        self._move_deadlines(time.monotonic() - paused)
+        self._on_cont(signal.SIGCONT, frame)
+
+    def _on_cont(self, signum, frame):
+        stopped = [w for w in self._workers if w.stopped]
+        for w in self._workers:
+            w.send(signal.SIGCONT)  # also after a SIGSTOP kfrun could not see: harmless to running ones
+        if stopped:
+            self._printer.message("continued; sent SIGCONT to every worker")
+
+    def _move_deadlines(self, seconds):
+        """Time spent stopped does not count against the workers."""
+        for name in ("_term_at", "_kill_at", "_stall_at"):
+            if getattr(self, name) is not None:
+                setattr(self, name, getattr(self, name) + seconds)
 
     def _on_signal(self, signum, frame):
         now = time.monotonic()
@@ -91,19 +157,45 @@ class Supervisor:
 
     def _on_exit(self, w, returncode, pending, first_failure):
         w.returncode = returncode
-        if returncode == 0 or first_failure is not None or self._signal is not None:
-            return first_failure  # exits after a signal are its doing, not failures
+        if first_failure is not None or self._signal is not None or self._stalled:
+            return first_failure  # exits after a signal or a stall are kfrun's doing, not failures
+        if returncode == 0:
+            if pending and self._stall_at is None:
+                self._stall_at = time.monotonic() + self._opts.timeout + self._opts.grace
+                self._finished = w.spec.rank
+            return None
+        self._stall_at = None  # a failure: --grace alone applies now
         code = exit_code(returncode)
         hint = " (255 is ssh's own failure: can this machine `ssh -o BatchMode=yes` to it?)" if (
             code == 255 and not w.spec.is_local) else ""
-        if pending and self._signal is None:
+        if pending:
             self._term_at = time.monotonic() + self._opts.grace
             hint += f"; the others have {self._opts.grace:g}s (--grace) to finish before SIGTERM"
-        self._printer.message(f"{w.describe()} failed with exit code {code}{hint}")
+        self._printer.message(f"{w.describe()} failed with {describe_exit(returncode, w.spec.is_local)}{hint}")
         return code
+
+    def _check_stall(self, pending, now):
+        if self._stall_at is None or now < self._stall_at or self._signal is not None:
+            return
+        self._stall_at = None
+        self._stalled = True
+        names = ", ".join(str(r) for r in sorted(pending))
+        o = self._opts
+        self._printer.message(
+            f"worker(s) {names} still running {o.timeout + o.grace:g}s after worker {self._finished} finished "
+            f"with exit code 0: stalled after worker {self._finished} finished (a finished worker waits at most "
+            f"--timeout {o.timeout:g}s for the others in kungfu.finalize(), and --grace {o.grace:g}s is over "
+            f"too); sending SIGTERM (SIGKILL in {o.kill_after:g}s); the job exits with {STALLED}. If work that "
+            "only some ranks do at the end (e.g. rank 0 saving the model) legitimately takes that long, "
+            "raise --timeout")
+        for w in self._workers:
+            if w.spec.rank in pending:
+                w.terminate()
+        self._kill_at = now + o.kill_after
 
     def _check_deadlines(self, pending):
         now = time.monotonic()
+        self._check_stall(pending, now)
         if self._term_at is not None and now >= self._term_at:
             self._term_at = None
             names = ", ".join(str(r) for r in sorted(pending))
@@ -129,6 +221,8 @@ class Supervisor:
             first_failure = self._on_exit(by_rank[rank], returncode, pending, first_failure)
         if first_failure is not None:
             return first_failure
+        if self._stalled:
+            return STALLED
         if self._signal is not None:
             return 128 + self._signal
         return 0

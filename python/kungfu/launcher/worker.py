@@ -2,7 +2,8 @@
 
 A local worker runs in its own session, so its process group id is its pid and a signal to the group
 reaches whatever it started. A remote worker is an ssh client (also in its own group); its stdin is
-the remote worker's lifeline (see ssh.py): closing it makes the remote side SIGTERM the worker.
+the remote worker's lifeline (see ssh.py): closing it makes the remote side SIGTERM the worker, and a
+line naming one of PASSABLE makes the remote side send that signal to the worker's group.
 """
 
 import os
@@ -11,6 +12,9 @@ import subprocess
 
 from . import output
 from . import ssh
+
+# Signals passed on to a worker without ending it: a remote worker gets them as a line on its stdin.
+PASSABLE = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGSTOP, signal.SIGCONT)
 
 
 class LaunchError(Exception):
@@ -28,6 +32,7 @@ class Worker:
         self.pumps = pumps  # output threads
         self.returncode = None  # set by the supervisor once the process is reaped
         self.signalled = False  # whether a signal from kfrun's user was forwarded to it
+        self.stopped = False  # whether kfrun stopped it (SIGTSTP to kfrun) and has not continued it yet
 
     def describe(self):
         where = "" if self.spec.is_local else " via ssh"
@@ -46,11 +51,35 @@ class Worker:
             except OSError:
                 pass
 
+    def _send_line(self, text):
+        """One line to the remote script (ssh.py), written unbuffered: this runs in signal handlers, and
+        the token line was flushed at start, so nothing can come between or before it."""
+        stdin = self.proc.stdin
+        if stdin is None or stdin.closed:
+            return
+        try:
+            os.write(stdin.fileno(), text.encode() + b"\n")
+        except (OSError, ValueError):
+            pass  # ssh is gone; its exit is reported by the supervisor
+
+    def send(self, signum):
+        """Passes signum (one of PASSABLE) on to the worker's process group; the job goes on."""
+        if signum in (signal.SIGSTOP, signal.SIGCONT):
+            self.stopped = signum == signal.SIGSTOP
+        if self.spec.is_local:
+            self._killpg(signum)
+        else:
+            self._send_line(signal.Signals(signum).name[len("SIG"):])
+
     def signal(self, signum):
-        """Forwards signum to a local worker's group; a remote worker gets SIGTERM (stdin closed)."""
+        """Forwards a signal that ends the job to a local worker's group, continuing the group if kfrun
+        had stopped it (a stopped process cannot run its handler); a remote worker gets SIGTERM
+        (stdin closed; the remote script continues it too)."""
         self.signalled = True
         if self.spec.is_local:
             self._killpg(signum)
+            if self.stopped:
+                self.send(signal.SIGCONT)
         else:
             self._close_stdin()
 
@@ -115,8 +144,7 @@ def _start_remote(spec, command, env, opts):
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
     )
     try:
-        proc.stdin.write(env["KUNGFU_TOKEN"].encode() + b"\n")
-        proc.stdin.flush()
+        os.write(proc.stdin.fileno(), env["KUNGFU_TOKEN"].encode() + b"\n")  # unbuffered, like _send_line
     except OSError:
         pass  # ssh already died; its exit code and stderr tell why
     return proc
