@@ -55,7 +55,22 @@ Status Engine::Impl::Start() {
   loop_started_ = true;
   if (n == 1) return Status::OK();
   acceptor_ = std::thread([this] { AcceptLoop(); });
-  return ConnectToPeers();
+  RETURN_IF_ERROR(ConnectToPeers());
+  return AwaitIncoming();
+}
+
+// Start returns once every peer's connection to this worker is registered too, so that the engine is
+// connected both ways from its first collective on: a peer that closes a stream right after start-up
+// is then judged with both its streams in view, not as a crash because the other was not yet taken in.
+Status Engine::Impl::AwaitIncoming() {
+  const int want = config_.peers.size() - 1;
+  std::unique_lock<std::mutex> lock(mu_);
+  if (cv_.wait_until(lock, DeadlineAfter(config_.timeout_seconds), [&] { return incoming_ >= want; })) {
+    return Status::OK();
+  }
+  return DeadlineExceeded("only " + std::to_string(incoming_) + " of the " + std::to_string(want) +
+                          " other workers connected to " + config_.peers.Describe(config_.rank) + " within " +
+                          std::to_string(config_.timeout_seconds) + " s (KUNGFU_TIMEOUT)");
 }
 
 Status Engine::Impl::ConnectToPeers() {
@@ -137,6 +152,11 @@ void Engine::Impl::AddConnection(Fd fd, int peer, bool outgoing) {
     CheckBroken(c);
   });
   if (outgoing) p2p_.OnConnected(peer);  // answer peer-to-peer requests that came before this connection
+  if (!outgoing) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++incoming_;
+    cv_.notify_all();
+  }
 }
 
 void Engine::Impl::Shutdown() {

@@ -81,6 +81,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   };
 
   Status ConnectToPeers();
+  Status AwaitIncoming();
   void AcceptLoop();
   void AddConnection(Fd fd, int peer, bool outgoing);
   void StartOp(std::unique_ptr<Op> op);
@@ -138,6 +139,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   std::mutex mu_;
   std::condition_variable cv_;
   bool flushed_ = false;                   // guarded by mu_
+  int incoming_ = 0;                       // guarded by mu_: connections from peers registered (Start)
   std::atomic<bool> flushing_{false};       // set on the loop once remaining ops are cancelled
   std::vector<bool> writing_;               // by rank: out_ connection registered for EPOLLOUT
 
