@@ -51,12 +51,21 @@ Status Engine::Impl::Start() {
     if (!l.ok()) return l.status().WithContext("listening as " + config_.peers.Describe(config_.rank));
     listener_ = std::move(l.value());
   }
-  loop_.Start([this] { return AfterEvents(); }, config_.spin_us);
+  loop_.Start([this] { return AfterEvents(); }, config_.spin_us, [this] { return Busy(); });
   loop_started_ = true;
   if (n == 1) return Status::OK();
   acceptor_ = std::thread([this] { AcceptLoop(); });
   RETURN_IF_ERROR(ConnectToPeers());
   return AwaitIncoming();
+}
+
+// Whether the loop has work besides a blocking caller's finished collective (EventLoop::Start's busy).
+bool Engine::Impl::Busy() const {
+  if (!ops_.empty() || !p2p_.idle() || flushing_) return true;
+  for (size_t p = 0; p < writing_.size(); ++p) {
+    if (writing_[p] || judge_at_[p]) return true;
+  }
+  return false;
 }
 
 // Start returns once every peer's connection to this worker is registered too, so that the engine is
@@ -348,20 +357,25 @@ void Engine::Consensus(const void* data, int64_t nbytes, bool* same, const std::
                                  std::move(wrapped), "consensus"));
 }
 
+void Engine::RunAndWait(const std::function<void()>& start, const std::function<bool()>& finished) {
+  impl_->loop().DriveUntil(finished, start, impl_->config().caller_drives);
+}
+
+void Engine::WakeWaiters() { impl_->loop().Notify(); }
+
 Status Engine::AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
                              const std::string& name) {
-  std::mutex mu;
-  std::condition_variable cv;
-  bool finished = false;
+  std::atomic<bool> finished{false};
   Status result;
-  AllReduce(in, out, count, dtype, op, name, [&](const Status& s) {
-    std::lock_guard<std::mutex> lock(mu);
-    result = s;
-    finished = true;
-    cv.notify_all();
-  });
-  std::unique_lock<std::mutex> lock(mu);
-  cv.wait(lock, [&] { return finished; });  // the engine guarantees a callback by the op's deadline
+  RunAndWait(
+      [&] {
+        AllReduce(in, out, count, dtype, op, name, [&](const Status& s) {
+          result = s;
+          finished = true;
+          WakeWaiters();
+        });
+      },
+      [&] { return finished.load(); });  // the engine guarantees a callback by the op's deadline
   return result;
 }
 
@@ -381,12 +395,15 @@ Status ReadEnvNumber(const char* var, double min, double max, double* out) {
 }  // namespace
 
 Status ApplyEnvOverrides(EngineConfig* c) {
-  double spin = c->spin_us, halving = c->halving ? 1 : 0;
+  double spin = c->spin_us, halving = c->halving ? 1 : 0, drives = c->caller_drives ? 1 : 0;
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_SPIN_US", 0, 1e6, &spin));
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_HALVING", 0, 1, &halving));
   if (halving != 0 && halving != 1) return InvalidArgument("KUNGFU_HALVING must be 0 or 1");
+  RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_CALLER_DRIVES", 0, 1, &drives));
+  if (drives != 0 && drives != 1) return InvalidArgument("KUNGFU_CALLER_DRIVES must be 0 or 1");
   c->spin_us = static_cast<int>(spin);
   c->halving = halving != 0;
+  c->caller_drives = drives != 0;
   double timeout = c->timeout_seconds, ring = static_cast<double>(c->ring_threshold_bytes),
          chunk = static_cast<double>(c->chunk_bytes), pending = static_cast<double>(c->max_pending_bytes);
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_TIMEOUT", 0.001, 1e7, &timeout));

@@ -42,6 +42,7 @@ struct EngineConfig {
   int64_t max_pending_bytes = int64_t{1} << 30;  // bound on data buffered for collectives not started
   int spin_us = 200;                  // the loop polls this long after activity before sleeping (KUNGFU_SPIN_US)
   int64_t read_budget_bytes = 4 << 20;  // most read from one peer per wake-up, so no peer starves the others
+  bool caller_drives = true;  // Wait() runs the loop on the waiting thread (KUNGFU_CALLER_DRIVES)
 };
 
 // Counters for tests and benchmarks; read with Engine::stats().
@@ -121,7 +122,18 @@ class Engine {
   // Per-collective counters by name (cc/collective_stats.h), sorted; reset empties them at once.
   std::vector<NamedCollectiveStats> collective_stats(bool reset = false);
 
-  // Synchronous helpers for tests and the C API: run one collective and wait for it.
+  // For a caller that blocks until a callback has run (the C API, eager TF kernels): runs start(),
+  // which submits the collectives, and returns once finished() holds. Meanwhile the calling thread
+  // drives the engine's loop itself (EventLoop::DriveUntil): it does the I/O and runs the callbacks,
+  // so neither the start nor the result needs a thread wake-up, which on a machine with fewer cores
+  // than busy threads costs more than a small collective. With config().caller_drives false
+  // (KUNGFU_CALLER_DRIVES=0) it sleeps while the loop's thread does the work. finished() must be
+  // thread-safe; the callback that makes it true calls WakeWaiters() afterwards. Never call this from
+  // a callback.
+  void RunAndWait(const std::function<void()>& start, const std::function<bool()>& finished);
+  void WakeWaiters();
+
+  // Synchronous helpers for tests and the C API: run one collective and wait for it (with Wait).
   Status AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name);
 
   class Impl;

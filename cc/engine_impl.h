@@ -66,6 +66,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   void OnConnectionError(int peer, const Status& s);
   void Judge(int peer, const Status& s);  // the peer is gone: close to it, fail what involves it
   void LeaveCleanly() { leave_cleanly_ = true; }
+  EventLoop& loop() { return loop_; }
   void CheckBroken(Connection* c);
 
  private:
@@ -95,6 +96,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   void OnSendDone(uint64_t op_id);
   void ReportSent();  // OnSendDone for every id in sent_
   int AfterEvents();  // flush, deadlines; returns the loop's next sleep in ms
+  bool Busy() const;  // work in flight that needs the loop (see EventLoop::Start)
   ActiveOp* FindById(uint64_t op_id, std::map<Key, ActiveOp>::iterator* it);
   std::string Describe(const Op& op) const;
 

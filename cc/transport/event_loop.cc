@@ -35,8 +35,9 @@ Status EventLoop::Init() {
   return Status::OK();
 }
 
-void EventLoop::Start(std::function<int()> after_events, int spin_us) {
+void EventLoop::Start(std::function<int()> after_events, int spin_us, std::function<bool()> busy) {
   after_events_ = std::move(after_events);
+  busy_ = std::move(busy);
   spin_us_ = spin_us;
   running_ = true;
   thread_ = std::thread([this] { Run(); });
@@ -45,6 +46,8 @@ void EventLoop::Start(std::function<int()> after_events, int spin_us) {
 void EventLoop::Stop() {
   if (thread_.joinable()) {
     running_ = false;
+    Kick();    // a parked loop thread
+    Notify();  // callers waiting for a turn
     Wake();
     thread_.join();
   }
@@ -63,17 +66,45 @@ void EventLoop::Post(std::function<void()> task) {
     if (!stopped_) {
       posted_.push_back(std::move(task));
       lock.unlock();
-      Wake();
+      Wake();  // whoever waits in epoll_wait: the loop thread or a driving caller
+      // No caller will run it: the loop thread must, even if it lingers. (A caller that leaves after
+      // this read kicks it itself: see DriveUntil.)
+      if (callers_.load() == 0 && parked_.load()) Kick();
       return;
     }
   }
   task();
 }
 
+void EventLoop::Kick() {
+  {
+    std::lock_guard<std::mutex> lock(park_mu_);
+    kick_ = true;
+  }
+  park_cv_.notify_all();
+}
+
+bool EventLoop::HasPosts() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return !posted_.empty();
+}
+
 void EventLoop::Wake() {
   const uint64_t one = 1;
   ssize_t rc = ::write(wake_fd_, &one, sizeof(one));
   (void)rc;  // EAGAIN means a wake-up is already pending: fine
+}
+
+void EventLoop::Notify() {
+  bool other_drives;
+  {
+    std::lock_guard<std::mutex> lock(park_mu_);  // a waiter between its check and its sleep sees the change
+    other_drives = caller_driving_ && driver_ != std::this_thread::get_id();
+  }
+  turn_cv_.notify_all();
+  // A callback run off the loop (a kernel that finishes on TF's worker pool) must also get the driving
+  // caller out of epoll_wait, or it would look at its condition only at the next I/O.
+  if (other_drives) Wake();
 }
 
 void EventLoop::Add(int fd, uint32_t events, Handler handler) {
@@ -98,45 +129,150 @@ void EventLoop::Remove(int fd) {
   handlers_.erase(fd);
 }
 
-void EventLoop::Run() {
+int EventLoop::Iterate(int wait_ms, bool* active, bool loop_thread) {
   constexpr int kMaxEvents = 64;
   epoll_event events[kMaxEvents];
-  using Clock = std::chrono::steady_clock;
+  const int n = ::epoll_wait(epoll_fd_, events, kMaxEvents, wait_ms);
+  *active = n > 0;
+  for (int i = 0; i < n; ++i) {
+    const int fd = events[i].data.fd;
+    if (fd == wake_fd_) {
+      uint64_t v;
+      ssize_t rc = ::read(wake_fd_, &v, sizeof(v));
+      (void)rc;
+      continue;
+    }
+    auto it = handlers_.find(fd);
+    // A handler may remove itself or others; copy before calling.
+    if (it != handlers_.end()) {
+      Handler h = it->second;
+      h(events[i].events);
+    }
+  }
+  std::vector<std::function<void()>> tasks;
+  // The loop's thread leaves what is posted once a caller has come to drive (its collective's start
+  // among it), so that the caller runs it: its result then needs no wake-up.
+  if (!loop_thread || callers_.load() == 0) {
+    std::lock_guard<std::mutex> lock(mu_);
+    tasks.swap(posted_);
+  }
+  for (auto& t : tasks) t();
+  if (!tasks.empty()) *active = true;
+  return after_events_ ? after_events_() : -1;
+}
+
+namespace {
+using Clock = std::chrono::steady_clock;
+constexpr auto kLinger = std::chrono::milliseconds(2);
+
+int64_t NowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+void EventLoop::Park() {
+  std::unique_lock<std::mutex> lock(park_mu_);
+  parked_ = true;
+  while (running_ && !kick_) {
+    if (callers_.load() > 0) {
+      park_cv_.wait_for(lock, kLinger);
+      continue;
+    }
+    if (HasPosts()) break;
+    const auto idle = std::chrono::nanoseconds(NowNs() - last_exit_ns_.load());
+    if (idle >= kLinger) break;
+    park_cv_.wait_for(lock, kLinger - idle);
+  }
+  // Work of the loop's own (a post) ends the linger: what it starts needs the loop from now on.
+  if (callers_.load() == 0) last_exit_ns_ = 0;
+  kick_ = false;
+  parked_ = false;
+}
+
+void EventLoop::Run() {
   const auto spin = std::chrono::microseconds(spin_us_);
   auto last_activity = Clock::now();
   int timeout_ms = 0;
   while (running_) {
+    if (callers_.load() > 0 || std::chrono::nanoseconds(NowNs() - last_exit_ns_.load()) < kLinger) {
+      Park();
+      timeout_ms = 0;  // look at once (below), but do not spin: the activity was the callers'
+      last_activity = Clock::time_point();
+    }
     const bool spinning = timeout_ms != 0 && Clock::now() - last_activity < spin;
-    const int n = ::epoll_wait(epoll_fd_, events, kMaxEvents, spinning ? 0 : timeout_ms);
-    if (n > 0) {
+    if (timeout_ms != 0 && !spinning) {
+      // Idle: sleep until I/O, a post or the next deadline without the drive lock, so that a caller
+      // can take it at once; whatever woke the loop is handled by the iteration below.
+      epoll_event ev;
+      ::epoll_wait(epoll_fd_, &ev, 1, timeout_ms);
+      timeout_ms = 0;
+      continue;
+    }
+    bool active = false;
+    {
+      std::lock_guard<std::mutex> lock(drive_mu_);
+      if (callers_.load() > 0) continue;
+      timeout_ms = Iterate(0, &active, true);
+    }
+    if (active) {
       last_activity = Clock::now();
     } else if (spinning) {
       sched_yield();
     }
-    for (int i = 0; i < n; ++i) {
-      const int fd = events[i].data.fd;
-      if (fd == wake_fd_) {
-        uint64_t v;
-        ssize_t rc = ::read(wake_fd_, &v, sizeof(v));
-        (void)rc;
-        continue;
-      }
-      auto it = handlers_.find(fd);
-      // A handler may remove itself or others; copy before calling.
-      if (it != handlers_.end()) {
-        Handler h = it->second;
-        h(events[i].events);
-      }
-    }
-    std::vector<std::function<void()>> tasks;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      tasks.swap(posted_);
-    }
-    for (auto& t : tasks) t();
-    if (!tasks.empty()) last_activity = Clock::now();
-    timeout_ms = after_events_ ? after_events_() : -1;
   }
+}
+
+void EventLoop::DriveUntil(const std::function<bool()>& finished, const std::function<void()>& start, bool drive) {
+  if (!drive) {
+    if (start) start();
+    std::unique_lock<std::mutex> lock(park_mu_);
+    turn_cv_.wait(lock, [&] { return finished(); });
+    return;
+  }
+  callers_.fetch_add(1);  // first, so that start()'s post does not kick the loop thread
+  if (start) start();
+  std::unique_lock<std::mutex> park(park_mu_);
+  turn_cv_.wait(park, [&] { return finished() || !caller_driving_ || !running_; });
+  bool drove = false, busy = false;
+  if (!finished() && running_) {
+    caller_driving_ = true;
+    driver_ = std::this_thread::get_id();
+    drove = true;
+    park.unlock();
+    {
+      const auto spin = std::chrono::microseconds(spin_us_);
+      // The loop thread lets go within one iteration and then parks (callers_ > 0).
+      std::lock_guard<std::mutex> drive(drive_mu_);
+      auto last_activity = Clock::now();
+      int timeout_ms = 0;
+      while (!finished() && running_) {
+        const bool spinning = timeout_ms != 0 && Clock::now() - last_activity < spin;
+        bool active = false;
+        timeout_ms = Iterate(spinning ? 0 : timeout_ms, &active, false);
+        if (active) {
+          last_activity = Clock::now();
+        } else if (spinning) {
+          sched_yield();
+        }
+      }
+      busy = busy_ && busy_();  // other work in flight (async collectives, requests, unsent data)
+    }
+    park.lock();
+    caller_driving_ = false;
+    driver_ = std::thread::id();
+  }
+  park.unlock();
+  turn_cv_.notify_all();  // the next waiting caller's turn
+  // The loop thread lingers, parked, in case another blocking call comes soon, unless other work
+  // needs the loop now.
+  if (drove) last_exit_ns_ = busy ? 0 : NowNs();
+  // Work left for the loop thread: what was posted after the last iteration (by a thread that saw a
+  // caller still here), or what the last driver left in flight.
+  if (callers_.fetch_sub(1) == 1 && parked_.load() && (HasPosts() || last_exit_ns_.load() == 0)) Kick();
+  if (finished()) return;
+  // The loop has stopped: the callback comes from whoever runs the cancelled ops'.
+  park.lock();
+  turn_cv_.wait(park, [&] { return finished(); });
 }
 
 }  // namespace kungfu

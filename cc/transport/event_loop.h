@@ -1,11 +1,19 @@
-// The engine's single I/O thread: epoll over every socket, plus a queue of posted tasks.
+// The engine's I/O loop: epoll over every socket, plus a queue of posted tasks.
 //
-// Threading: Post() may be called from any thread; everything else runs on the loop thread.
-// Each iteration waits for I/O (bounded by the next wake-up the owner asks for), handles it,
-// runs posted tasks, then calls the owner's AfterEvents() hook (flush sends, check deadlines).
+// Threading. All loop state (the handlers, and through the owner's callbacks every socket and
+// collective) is touched by one thread at a time: whichever holds the drive lock. Usually that is the
+// loop's own thread. A thread that is about to block until some condition holds (an eager collective
+// whose caller waits anyway) may drive the loop itself instead, with DriveUntil(): it then does the I/O
+// and runs the callbacks on its own thread, so the result reaches it with no thread wake-up on either
+// side, which on a machine with fewer cores than busy threads costs more than the collective itself.
+// The loop's thread parks while a caller drives, and goes on once none wants to.
+//
+// Each iteration polls for I/O, handles it, runs posted tasks, then calls the owner's AfterEvents()
+// hook (flush sends, check deadlines), which says how long the loop may sleep.
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -23,26 +31,48 @@ class EventLoop {
   EventLoop();
   ~EventLoop();
   Status Init();
-  // Starts the thread. after_events runs once per iteration on the loop thread and returns how
+  // Starts the thread. after_events runs once per iteration (under the drive lock) and returns how
   // long (ms) the loop may sleep before it must run again (-1: until I/O or a post).
   // For spin_us after any I/O or task the loop polls instead of sleeping (yielding the CPU between
   // polls): a reply that comes within that window is handled without a thread wake-up, which costs
-  // tens of microseconds on a virtual machine. 0 disables spinning.
-  void Start(std::function<int()> after_events, int spin_us = 0);
+  // tens of microseconds on a virtual machine. 0 disables spinning. busy, if given, runs under the
+  // drive lock and says whether work other than a leaving caller's is in flight: then the loop's thread
+  // takes over at once instead of lingering.
+  void Start(std::function<int()> after_events, int spin_us = 0, std::function<bool()> busy = nullptr);
   // Stops and joins the thread, then runs what is still posted on the calling thread.
   void Stop();
 
-  // Runs task on the loop thread; once the loop has stopped, on the calling thread instead, so
+  // Runs task on the driving thread; once the loop has stopped, on the calling thread instead, so
   // that no task (and no completion callback it would call) is ever lost.
   void Post(std::function<void()> task);
 
-  // Loop thread only.
+  // Runs start() (which submits the work, if given), then runs the loop on the calling thread until
+  // finished() holds or the loop stops; then, if need be, sleeps until finished() holds. finished must
+  // be thread-safe: it becomes true in a callback, which may run on another driving thread, and
+  // whoever makes it true calls Notify() afterwards. Callers that wait at once take turns: one
+  // drives, the others sleep until their condition holds or the drive lock is free. drive false: only
+  // sleep, while the loop's thread does the work. Must not be called from a callback (that thread
+  // already drives).
+  void DriveUntil(const std::function<bool()>& finished, const std::function<void()>& start = nullptr,
+                  bool drive = true);
+  // Wakes the callers waiting in DriveUntil to look at their conditions again.
+  void Notify();
+
+  // Driving thread only.
   void Add(int fd, uint32_t events, Handler handler);
   void Modify(int fd, uint32_t events);
   void Remove(int fd);
 
  private:
   void Run();
+  // The loop thread stays out of the way while callers drive, and for a short linger after the last
+  // one left (the next blocking call usually comes soon), unless kicked by a post.
+  void Park();
+  void Kick();
+  bool HasPosts();
+  // One iteration; the drive lock is held. Returns after_events' sleep and whether anything happened.
+  // loop_thread: run by the loop's own thread, which leaves posted tasks to a caller come to drive.
+  int Iterate(int wait_ms, bool* active, bool loop_thread);
   void Wake();
 
   int epoll_fd_ = -1;
@@ -50,11 +80,23 @@ class EventLoop {
   std::thread thread_;
   std::atomic<bool> running_{false};
   std::function<int()> after_events_;
+  std::function<bool()> busy_;
   int spin_us_ = 0;
   std::unordered_map<int, Handler> handlers_;
   std::mutex mu_;  // guards posted_ and stopped_
   std::vector<std::function<void()>> posted_;
   bool stopped_ = false;
+
+  std::mutex drive_mu_;          // held by the thread running an iteration
+  std::atomic<int> callers_{0};  // threads inside DriveUntil
+  std::atomic<int64_t> last_exit_ns_{0};  // steady clock: when a caller last left DriveUntil
+  std::atomic<bool> parked_{false};       // the loop thread is in Park()
+  std::mutex park_mu_;
+  std::condition_variable park_cv_;  // the parked loop thread
+  std::condition_variable turn_cv_;  // callers waiting for their condition or a turn to drive
+  bool kick_ = false;                // guarded by park_mu_: a post for the parked loop thread
+  bool caller_driving_ = false;      // guarded by park_mu_: a caller holds the drive lock for its wait
+  std::thread::id driver_;           // guarded by park_mu_: that caller
 };
 
 }  // namespace kungfu
