@@ -1,5 +1,6 @@
 #include "kf_ops/adapter.h"
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -98,6 +99,23 @@ kungfu::DoneCallback FinishKernel(OpKernelContext* ctx, AsyncOpKernel::DoneCallb
       done();
     });
   };
+}
+
+CollectiveKernel::CollectiveKernel(tensorflow::OpKernelConstruction* c) : AsyncOpKernel(c) {
+  OP_REQUIRES_OK(c, c->GetAttr("blocking", &blocking_));
+}
+
+void CollectiveKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
+  std::shared_ptr<kungfu::Engine> engine = blocking_ ? kungfu::GlobalEngine() : nullptr;
+  if (!engine) return Start(ctx, std::move(done));  // without an engine, Start fails the kernel itself
+  auto finished = std::make_shared<std::atomic<bool>>(false);
+  kungfu::Engine* e = engine.get();  // alive: engine is held until RunAndWait has returned
+  DoneCallback wrapped = [done = std::move(done), finished, e] {
+    done();
+    finished->store(true);
+    e->WakeWaiters();
+  };
+  engine->RunAndWait([&] { Start(ctx, std::move(wrapped)); }, [finished] { return finished->load(); });
 }
 
 std::string Describe(const char* what, const std::string& name) { return std::string(what) + " '" + name + "'"; }

@@ -65,6 +65,23 @@ void RunOnWorkerPool(OpKernelContext* ctx, std::function<void()> fn);
 kungfu::DoneCallback FinishKernel(OpKernelContext* ctx, AsyncOpKernel::DoneCallback done,
                                   std::function<absl::Status()> then = nullptr, std::shared_ptr<void> keep = nullptr);
 
+// The base of the collective kernels. Start() hands the work to the engine and arranges for done() to
+// be called once. With the op's `blocking` attr (the Python wrappers set it when they run eagerly, where
+// the caller waits for the kernel anyway), ComputeAsync waits for that done() on the calling thread and
+// drives the engine there meanwhile (Engine::RunAndWait), so neither the start nor the result needs a
+// thread wake-up. Without it (in a graph, where an executor thread must never block) it returns at once.
+class CollectiveKernel : public AsyncOpKernel {
+ public:
+  explicit CollectiveKernel(tensorflow::OpKernelConstruction* c);
+  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) final;
+
+ protected:
+  virtual void Start(OpKernelContext* ctx, DoneCallback done) = 0;
+
+ private:
+  bool blocking_ = false;
+};
+
 // "allreduce 'grad/w'", the prefix of messages the kernels raise themselves.
 std::string Describe(const char* what, const std::string& name);
 

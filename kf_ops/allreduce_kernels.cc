@@ -29,11 +29,11 @@ absl::Status ReduceOpAttr(OpKernelConstruction* c, kungfu::ReduceOp* op) {
   return absl::OkStatus();
 }
 
-class AllReduceOp : public AsyncOpKernel {
+class AllReduceOp : public CollectiveKernel {
  public:
-  explicit AllReduceOp(OpKernelConstruction* c) : AsyncOpKernel(c) { OP_REQUIRES_OK(c, ReduceOpAttr(c, &op_)); }
+  explicit AllReduceOp(OpKernelConstruction* c) : CollectiveKernel(c) { OP_REQUIRES_OK(c, ReduceOpAttr(c, &op_)); }
 
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+  void Start(OpKernelContext* ctx, DoneCallback done) override {
     std::string key;
     OP_REQUIRES_OK_ASYNC(ctx, KeyOf(ctx, &key), done);
     const Tensor& in = ctx->input(0);
@@ -116,9 +116,9 @@ class GroupCompletion {
 // float64 bucket, else by an all-reduce of one double of its own) and of the outputs. A bucket's squares
 // are summed while it is packed and unpacked, which reads the data anyway; a tensor reduced alone is
 // read once more for them.
-class GroupAllReduceOp : public AsyncOpKernel {
+class GroupAllReduceOp : public CollectiveKernel {
  public:
-  GroupAllReduceOp(OpKernelConstruction* c, bool norms) : AsyncOpKernel(c), norms_(norms) {
+  GroupAllReduceOp(OpKernelConstruction* c, bool norms) : CollectiveKernel(c), norms_(norms) {
     OP_REQUIRES_OK(c, ReduceOpAttr(c, &op_));
     OP_REQUIRES_OK(c, c->GetAttr("fusion_bytes", &fusion_bytes_));
   }
@@ -126,7 +126,7 @@ class GroupAllReduceOp : public AsyncOpKernel {
 
   // Parts are keyed "<key>/<part>", part indexing the fusion plan (a bucket of packed tensors or one
   // tensor alone); the inputs' squared norm, when no bucket carries it, "<key>/sq".
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+  void Start(OpKernelContext* ctx, DoneCallback done) override {
     std::string key;
     OP_REQUIRES_OK_ASYNC(ctx, KeyOf(ctx, &key), done);
     const int n = ctx->num_inputs() - (norms_ ? 3 : 2);  // then the norms flag, the key and the token

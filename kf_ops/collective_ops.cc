@@ -11,7 +11,10 @@
 //    chain stateful ops that take no resource in program order (so independent collectives in one
 //    tf.function would run one after another) but order ops taking a resource only against other
 //    users of the same resource tensor. The Python wrappers feed a fresh token per call, so
-//    independent collectives are in flight together; a shared token orders the calls that use it.
+//    independent collectives are in flight together; a shared token orders the calls that use it;
+//  - has `blocking`, which the Python wrappers set when they run eagerly: the caller waits for the
+//    result anyway, so the kernel waits on its thread, driving the engine there (Engine::RunAndWait):
+//    no thread wake-up on either side. In a graph it stays false: an executor thread must not block.
 #include "absl/status/status.h"
 #include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
@@ -50,6 +53,7 @@ REGISTER_OP("KfAllReduce")
     .Output("output: T")
     .Attr("T: " KF_REDUCE_TYPES)
     .Attr("reduce_op: {'sum', 'mean', 'min', 'max', 'prod'}")
+    .Attr("blocking: bool = false")
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn(WithKey(tensorflow::shape_inference::UnchangedShape))
@@ -63,6 +67,7 @@ REGISTER_OP("KfGroupAllReduce")
     .Attr("T: list(" KF_REDUCE_TYPES ")")
     .Attr("reduce_op: {'sum', 'mean', 'min', 'max', 'prod'}")
     .Attr("fusion_bytes: int = 4194304")
+    .Attr("blocking: bool = false")
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn(WithKey([](InferenceContext* c) {
@@ -84,6 +89,7 @@ REGISTER_OP("KfGroupAllReduceNorms")
     .Attr("T: list({half, bfloat16, float, double})")
     .Attr("reduce_op: {'sum', 'mean', 'min', 'max', 'prod'}")
     .Attr("fusion_bytes: int = 4194304")
+    .Attr("blocking: bool = false")
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn(WithKey([](InferenceContext* c) {
@@ -109,6 +115,7 @@ REGISTER_OP("KfBroadcast")
     .Output("output: T")
     .Attr("T: " KF_COPY_TYPES)
     .Attr("root: int = 0")
+    .Attr("blocking: bool = false")
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn(WithKey(tensorflow::shape_inference::UnchangedShape))
@@ -120,6 +127,7 @@ REGISTER_OP("KfAllGather")
     .Input("token: resource")
     .Output("output: T")
     .Attr("T: " KF_COPY_TYPES)
+    .Attr("blocking: bool = false")
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn(WithKey([](InferenceContext* c) {
@@ -143,6 +151,7 @@ dimension may differ between workers; the other dimensions and the dtype must ag
 REGISTER_OP("KfBarrier")
     .Input("key: string")
     .Input("token: resource")
+    .Attr("blocking: bool = false")
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn(WithKey(tensorflow::shape_inference::NoOutputs))
@@ -154,6 +163,7 @@ REGISTER_OP("KfConsensus")
     .Input("token: resource")
     .Output("same: bool")
     .Attr("T: " KF_COPY_TYPES)
+    .Attr("blocking: bool = false")
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn(WithKey(tensorflow::shape_inference::ScalarShape))

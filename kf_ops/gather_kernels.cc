@@ -20,11 +20,11 @@ namespace {
 using tensorflow::OpKernelConstruction;
 using tensorflow::TensorShape;
 
-class BroadcastOp : public AsyncOpKernel {
+class BroadcastOp : public CollectiveKernel {
  public:
-  explicit BroadcastOp(OpKernelConstruction* c) : AsyncOpKernel(c) { OP_REQUIRES_OK(c, c->GetAttr("root", &root_)); }
+  explicit BroadcastOp(OpKernelConstruction* c) : CollectiveKernel(c) { OP_REQUIRES_OK(c, c->GetAttr("root", &root_)); }
 
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+  void Start(OpKernelContext* ctx, DoneCallback done) override {
     std::string key;
     OP_REQUIRES_OK_ASYNC(ctx, KeyOf(ctx, &key), done);
     const Tensor& in = ctx->input(0);
@@ -89,12 +89,12 @@ bool SameExceptDim0(const int64_t* a, const int64_t* b) {
          std::equal(a + kListed, a + kRecordSize, b + kListed);
 }
 
-class AllGatherOp : public AsyncOpKernel {
+class AllGatherOp : public CollectiveKernel {
  public:
-  explicit AllGatherOp(OpKernelConstruction* c) : AsyncOpKernel(c) {}
+  explicit AllGatherOp(OpKernelConstruction* c) : CollectiveKernel(c) {}
 
   // The shape step is keyed "<key>/shape", the data step "<key>".
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+  void Start(OpKernelContext* ctx, DoneCallback done) override {
     std::string key;
     OP_REQUIRES_OK_ASYNC(ctx, KeyOf(ctx, &key), done);
     const Tensor& in = ctx->input(0);

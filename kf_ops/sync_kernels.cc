@@ -13,11 +13,11 @@ namespace {
 using tensorflow::OpKernelConstruction;
 using tensorflow::TensorShape;
 
-class BarrierOp : public AsyncOpKernel {
+class BarrierOp : public CollectiveKernel {
  public:
-  explicit BarrierOp(OpKernelConstruction* c) : AsyncOpKernel(c) {}
+  explicit BarrierOp(OpKernelConstruction* c) : CollectiveKernel(c) {}
 
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+  void Start(OpKernelContext* ctx, DoneCallback done) override {
     std::string key;
     OP_REQUIRES_OK_ASYNC(ctx, KeyOf(ctx, &key), done);
     std::shared_ptr<kungfu::Engine> engine = EngineOrFail(ctx, done);
@@ -38,11 +38,11 @@ std::vector<char> ConsensusBytes(const Tensor& t) {
   return bytes;
 }
 
-class ConsensusOp : public AsyncOpKernel {
+class ConsensusOp : public CollectiveKernel {
  public:
-  explicit ConsensusOp(OpKernelConstruction* c) : AsyncOpKernel(c) {}
+  explicit ConsensusOp(OpKernelConstruction* c) : CollectiveKernel(c) {}
 
-  void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
+  void Start(OpKernelContext* ctx, DoneCallback done) override {
     std::string key;
     OP_REQUIRES_OK_ASYNC(ctx, KeyOf(ctx, &key), done);
     Tensor* out = nullptr;

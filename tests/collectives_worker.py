@@ -438,6 +438,51 @@ def unused_and_identical_collectives_run():
     assert _lib.engine_stats()["started"] - after["started"] == 2, "identical: both calls started"
 
 
+@check
+def eager_collectives_from_several_threads():
+    """Eager collectives wait on their own thread, driving the engine there; several Python threads doing
+    so at once (started in a rank-dependent order) take turns, while a tf.function's collectives, which
+    never block, run beside them."""
+    rank, size = kungfu.rank(), kungfu.size()
+    threads, iters = 3, 20
+    errors = []
+
+    def eager(t):
+        try:
+            for i in range(iters):
+                x = tf.fill([1 + 50 * t], float((rank + 1) * (t + 1)))
+                got = kungfu.all_reduce(x, name=f"threads/{t}")
+                assert_equal(got, np.full([1 + 50 * t], (t + 1) * size * (size + 1) / 2, np.float32),
+                             f"thread {t} call {i}")
+                if i % 5 == 0:
+                    kungfu.barrier(name=f"threads/{t}/barrier")
+        except Exception as e:  # noqa: BLE001 (reported below, with the thread)
+            errors.append(f"thread {t}: {e!r}")
+
+    @tf.function
+    def graph_step(x):
+        return kungfu.group_all_reduce([x, 2 * x], name="threads/graph")
+
+    def graphs():
+        try:
+            for i in range(iters):
+                a, b = graph_step(tf.ones([7]))
+                assert_equal(b, np.full([7], 2 * size, np.float32), f"graph call {i}")
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"graph thread: {e!r}")
+
+    order = [(t + rank) % threads for t in range(threads)]
+    ts = [threading.Thread(target=eager, args=(t,)) for t in order] + [threading.Thread(target=graphs)]
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join(timeout=120)
+    if any(th.is_alive() for th in ts):
+        raise AssertionError("a thread did not finish within 120 s")
+    if errors:
+        raise AssertionError("; ".join(errors))
+
+
 def run_checks():
     return mp.run_checks(CHECKS, kungfu.rank())
 

@@ -45,6 +45,48 @@ class SizeOneTest(tf.test.TestCase):
     def test_cluster(self):
         self.assertEqual((kungfu.rank(), kungfu.size(), kungfu.local_rank(), kungfu.local_size()), (0, 1, 0, 1))
 
+    def test_eager_calls_block_and_graph_calls_do_not(self):
+        """Eagerly the kernels wait on the calling thread, driving the engine there (the ops' `blocking`
+        attr); in a graph they must not, or an executor thread would wait on the other workers."""
+        module = _lib.op_module()
+        ops = ["kf_all_reduce", "kf_group_all_reduce", "kf_group_all_reduce_norms", "kf_broadcast",
+               "kf_all_gather", "kf_barrier", "kf_consensus"]
+        seen = []
+        originals = {name: getattr(module, name) for name in ops}
+
+        def spy(name):
+            def call(*args, **kwargs):
+                seen.append((name, kwargs.get("blocking")))
+                return originals[name](*args, **kwargs)
+            return call
+
+        def every_collective():
+            x = tf.ones([3])
+            kungfu.all_reduce(x)
+            kungfu.group_all_reduce([x])
+            kungfu.ops.group_all_reduce_with_norms([x])
+            kungfu.broadcast(x)
+            kungfu.all_gather(x)
+            kungfu.barrier()
+            return kungfu.consensus(x)
+
+        try:
+            for name in ops:
+                setattr(module, name, spy(name))
+            every_collective()
+            self.assertEqual(seen, [(name, True) for name in ops])
+            seen.clear()
+            graph = tf.function(every_collective).get_concrete_function().graph
+            self.assertEqual(seen, [(name, False) for name in ops])
+        finally:
+            for name, fn in originals.items():
+                setattr(module, name, fn)
+        kinds = {"KfAllReduce", "KfGroupAllReduce", "KfGroupAllReduceNorms", "KfBroadcast", "KfAllGather",
+                 "KfBarrier", "KfConsensus"}
+        traced = [op for op in graph.get_operations() if op.type in kinds]
+        self.assertEqual({op.type for op in traced}, kinds)
+        self.assertTrue(all(op.get_attr("blocking") is False for op in traced))
+
     def test_all_reduce_every_dtype_op_and_size(self):
         for dtype in REDUCE_DTYPES:
             for op in REDUCE_OPS:

@@ -22,6 +22,13 @@ COPY_DTYPES = REDUCE_DTYPES + (tf.uint8, tf.int8, tf.bool)  # broadcast, all_gat
 _no_autograph = tf.autograph.experimental.do_not_convert
 
 
+def _blocking():
+    """The ops' `blocking` attr: eagerly the caller waits for the result anyway, so the kernel waits on
+    the calling thread and drives the engine there, which saves a thread wake-up each way
+    (Engine::RunAndWait). In a graph it must stay False: an executor thread must never block."""
+    return tf.executing_eagerly()
+
+
 def _reduce_op(op, what):
     if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
         raise ValueError(f"{what}: op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
@@ -48,7 +55,7 @@ def all_reduce(x, op="sum", name=None):
     _lib.require_init("kungfu.all_reduce")
     x = _tensor(x, REDUCE_DTYPES, "all_reduce")
     key = _naming.key_tensor("all_reduce", name)
-    return _lib.op_module().kf_all_reduce(x, key, _naming.token(), reduce_op=op)
+    return _lib.op_module().kf_all_reduce(x, key, _naming.token(), reduce_op=op, blocking=_blocking())
 
 
 @_no_autograph
@@ -70,7 +77,8 @@ def group_all_reduce(xs, op="sum", name=None, fusion_bytes=None):
         return []
     key = _naming.key_tensor("group_all_reduce", name)
     extra = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}
-    return list(_lib.op_module().kf_group_all_reduce(xs, key, _naming.token(), reduce_op=op, **extra))
+    return list(_lib.op_module().kf_group_all_reduce(xs, key, _naming.token(), reduce_op=op, blocking=_blocking(),
+                                                     **extra))
 
 
 NORM_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)  # group_all_reduce_with_norms's
@@ -99,7 +107,8 @@ def group_all_reduce_with_norms(xs, norms=True, op="sum", name=None, fusion_byte
     key = _naming.key_tensor("group_all_reduce", name)
     extra = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}
     outs, local_sq, reduced_sq = _lib.op_module().kf_group_all_reduce_norms(xs, norms, key, _naming.token(),
-                                                                            reduce_op=op, **extra)
+                                                                            reduce_op=op, blocking=_blocking(),
+                                                                            **extra)
     return list(outs), local_sq, reduced_sq
 
 
@@ -113,7 +122,7 @@ def broadcast(x, root=0, name=None):
     root = int(root)
     x = _tensor(x, COPY_DTYPES, "broadcast")
     key = _naming.key_tensor("broadcast", name)
-    return _lib.op_module().kf_broadcast(x, key, _naming.token(), root=root)
+    return _lib.op_module().kf_broadcast(x, key, _naming.token(), root=root, blocking=_blocking())
 
 
 @_no_autograph
@@ -127,7 +136,7 @@ def all_gather(x, name=None):
     _lib.require_init("kungfu.all_gather")
     x = _tensor(x, COPY_DTYPES, "all_gather")
     key = _naming.key_tensor("all_gather", name)
-    return _lib.op_module().kf_all_gather(x, key, _naming.token())
+    return _lib.op_module().kf_all_gather(x, key, _naming.token(), blocking=_blocking())
 
 
 @_no_autograph
@@ -135,7 +144,7 @@ def barrier(name=None):
     """Waits until every worker has reached this barrier. Returns None eagerly, the op in a graph."""
     _lib.require_init("kungfu.barrier")
     key = _naming.key_tensor("barrier", name)
-    return _lib.op_module().kf_barrier(key, _naming.token())
+    return _lib.op_module().kf_barrier(key, _naming.token(), blocking=_blocking())
 
 
 @_no_autograph
@@ -144,4 +153,4 @@ def consensus(x, name=None):
     _lib.require_init("kungfu.consensus")
     x = _tensor(x, COPY_DTYPES, "consensus")
     key = _naming.key_tensor("consensus", name)
-    return _lib.op_module().kf_consensus(x, key, _naming.token())
+    return _lib.op_module().kf_consensus(x, key, _naming.token(), blocking=_blocking())
