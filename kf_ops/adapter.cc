@@ -3,6 +3,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 #include <utility>
 
 #include "cc/c_api.h"
@@ -108,14 +109,19 @@ CollectiveKernel::CollectiveKernel(tensorflow::OpKernelConstruction* c) : AsyncO
 void CollectiveKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
   std::shared_ptr<kungfu::Engine> engine = blocking_ ? kungfu::GlobalEngine() : nullptr;
   if (!engine) return Start(ctx, std::move(done));  // without an engine, Start fails the kernel itself
-  auto finished = std::make_shared<std::atomic<bool>>(false);
-  kungfu::Engine* e = engine.get();  // alive: engine is held until RunAndWait has returned
-  DoneCallback wrapped = [done = std::move(done), finished, e] {
+  // 1: done() has run (what the wait is for); 2: the callback has let go of the engine too. done() may
+  // run on TF's worker pool (RunOnWorkerPool), so this frame keeps engine alive until stage 2: a
+  // concurrent kungfu.finalize() must not free it under the callback's WakeWaiters().
+  auto stage = std::make_shared<std::atomic<int>>(0);
+  kungfu::Engine* e = engine.get();
+  DoneCallback wrapped = [done = std::move(done), stage, e] {
     done();
-    finished->store(true);
+    stage->store(1);
     e->WakeWaiters();
+    stage->store(2);
   };
-  engine->RunAndWait([&] { Start(ctx, std::move(wrapped)); }, [finished] { return finished->load(); });
+  engine->RunAndWait([&] { Start(ctx, std::move(wrapped)); }, [stage] { return stage->load() >= 1; });
+  while (stage->load() < 2) std::this_thread::yield();  // at most the few instructions above
 }
 
 std::string Describe(const char* what, const std::string& name) { return std::string(what) + " '" + name + "'"; }

@@ -112,6 +112,36 @@ TEST(Drive, AsyncWorkGoesOnAfterABlockingCall) {
   }
 }
 
+// A collective started by the driving caller on another thread's behalf, and still in flight when
+// the caller leaves, keeps its deadline: the loop's thread, whatever state it was left in, takes over.
+TEST(Drive, WorkLeftInFlightByADriverStillTimesOut) {
+  auto engines = StartCluster(2, [](EngineConfig& c) { c.timeout_seconds = 0.5; });
+  for (int round = 0; round < 3; ++round) {
+    RunRanks(2, [&](int r) {
+      if (r == 1) {  // joins "a" late, so that rank 0 drives meanwhile; never joins "lonely"
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        float x = 1;
+        EXPECT_OK(engines[1]->AllReduceSync(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "a"));
+        return;
+      }
+      Waiter lonely;
+      float y = 1;
+      std::thread poster([&] {  // posts while rank 0's main thread drives its wait for "a"
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        engines[0]->AllReduce(&y, &y, 1, DType::kFloat32, ReduceOp::kSum, "lonely", lonely.Callback());
+      });
+      float x = 1;
+      EXPECT_OK(engines[0]->AllReduceSync(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "a"));
+      poster.join();
+      const auto t0 = std::chrono::steady_clock::now();
+      Status s = lonely.Wait();
+      const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      EXPECT_EQ(CodeName(s.code()), CodeName(Code::kDeadlineExceeded));
+      EXPECT_TRUE(took < 3);
+    });
+  }
+}
+
 // A caller driving its own wait sees a peer that goes away at once, not at the deadline.
 TEST(Drive, BlockedCallerSeesADeadPeerPromptly) {
   auto engines = StartCluster(2, [](EngineConfig& c) { c.timeout_seconds = 30; });

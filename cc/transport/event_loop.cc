@@ -51,6 +51,9 @@ void EventLoop::Stop() {
     Wake();
     thread_.join();
   }
+  // A caller may still be in its last iteration (it leaves once it sees running_ false): the leftover
+  // tasks are loop work too, so they wait for the drive lock.
+  std::lock_guard<std::mutex> drive(drive_mu_);
   std::vector<std::function<void()>> left;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -164,6 +167,9 @@ int EventLoop::Iterate(int wait_ms, bool* active, bool loop_thread) {
 namespace {
 using Clock = std::chrono::steady_clock;
 constexpr auto kLinger = std::chrono::milliseconds(2);
+// The loop thread's longest sleep while idle: a backstop that keeps deadlines checked even if its
+// wake-up was taken by a driving caller's iteration (the last caller leaving wakes it anyway).
+constexpr int kMaxIdleMs = 1000;
 
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
@@ -204,7 +210,7 @@ void EventLoop::Run() {
       // Idle: sleep until I/O, a post or the next deadline without the drive lock, so that a caller
       // can take it at once; whatever woke the loop is handled by the iteration below.
       epoll_event ev;
-      ::epoll_wait(epoll_fd_, &ev, 1, timeout_ms);
+      ::epoll_wait(epoll_fd_, &ev, 1, timeout_ms < 0 || timeout_ms > kMaxIdleMs ? kMaxIdleMs : timeout_ms);
       timeout_ms = 0;
       continue;
     }
@@ -229,50 +235,67 @@ void EventLoop::DriveUntil(const std::function<bool()>& finished, const std::fun
     turn_cv_.wait(lock, [&] { return finished(); });
     return;
   }
-  callers_.fetch_add(1);  // first, so that start()'s post does not kick the loop thread
-  if (start) start();
-  std::unique_lock<std::mutex> park(park_mu_);
-  turn_cv_.wait(park, [&] { return finished() || !caller_driving_ || !running_; });
-  bool drove = false, busy = false;
-  if (!finished() && running_) {
-    caller_driving_ = true;
-    driver_ = std::this_thread::get_id();
-    drove = true;
-    park.unlock();
-    {
-      const auto spin = std::chrono::microseconds(spin_us_);
-      // The loop thread lets go within one iteration and then parks (callers_ > 0).
-      std::lock_guard<std::mutex> drive(drive_mu_);
-      auto last_activity = Clock::now();
-      int timeout_ms = 0;
-      while (!finished() && running_) {
-        const bool spinning = timeout_ms != 0 && Clock::now() - last_activity < spin;
-        bool active = false;
-        timeout_ms = Iterate(spinning ? 0 : timeout_ms, &active, false);
-        if (active) {
-          last_activity = Clock::now();
-        } else if (spinning) {
-          sched_yield();
+  {
+    callers_.fetch_add(1);  // first, so that start()'s posts do not kick the loop thread
+    bool drove = false, busy = false;
+    struct Leave {  // runs on every path out, an exception from start() included
+      EventLoop* loop;
+      const bool& drove;
+      const bool& busy;
+      ~Leave() { loop->LeaveDrive(drove, busy); }
+    } leave{this, drove, busy};
+    if (start) start();
+    std::unique_lock<std::mutex> park(park_mu_);
+    turn_cv_.wait(park, [&] { return finished() || !caller_driving_ || !running_; });
+    if (!finished() && running_) {
+      caller_driving_ = true;
+      driver_ = std::this_thread::get_id();
+      drove = true;
+      park.unlock();
+      {
+        const auto spin = std::chrono::microseconds(spin_us_);
+        // The loop thread lets go within one iteration and then parks (callers_ > 0).
+        std::lock_guard<std::mutex> drive_lock(drive_mu_);
+        auto last_activity = Clock::now();
+        int timeout_ms = 0;
+        while (!finished() && running_) {
+          const bool spinning = timeout_ms != 0 && Clock::now() - last_activity < spin;
+          bool active = false;
+          timeout_ms = Iterate(spinning ? 0 : timeout_ms, &active, false);
+          if (active) {
+            last_activity = Clock::now();
+          } else if (spinning) {
+            sched_yield();
+          }
         }
+        busy = busy_ && busy_();  // other work in flight (async collectives, requests, unsent data)
       }
-      busy = busy_ && busy_();  // other work in flight (async collectives, requests, unsent data)
+      park.lock();
+      caller_driving_ = false;
+      driver_ = std::thread::id();
     }
-    park.lock();
-    caller_driving_ = false;
-    driver_ = std::thread::id();
   }
-  park.unlock();
+  if (finished()) return;
+  // The loop has stopped: the callback comes from whoever runs the cancelled ops'.
+  std::unique_lock<std::mutex> park(park_mu_);
+  turn_cv_.wait(park, [&] { return finished(); });
+}
+
+void EventLoop::LeaveDrive(bool drove, bool busy) {
   turn_cv_.notify_all();  // the next waiting caller's turn
   // The loop thread lingers, parked, in case another blocking call comes soon, unless other work
   // needs the loop now.
   if (drove) last_exit_ns_ = busy ? 0 : NowNs();
-  // Work left for the loop thread: what was posted after the last iteration (by a thread that saw a
-  // caller still here), or what the last driver left in flight.
-  if (callers_.fetch_sub(1) == 1 && parked_.load() && (HasPosts() || last_exit_ns_.load() == 0)) Kick();
-  if (finished()) return;
-  // The loop has stopped: the callback comes from whoever runs the cancelled ops'.
-  park.lock();
-  turn_cv_.wait(park, [&] { return finished(); });
+  if (callers_.fetch_sub(1) != 1) return;  // a caller still here drives next
+  if (parked_.load()) {
+    // Work left for it: what was posted after the last iteration (by a thread that saw a caller still
+    // here), or what the last driver left in flight.
+    if (HasPosts() || last_exit_ns_.load() == 0) Kick();
+  } else {
+    // It may sleep in epoll_wait on a stale timeout, its wake-up taken by a driving caller's iteration:
+    // make it look again (deadlines, posts).
+    Wake();
+  }
 }
 
 }  // namespace kungfu

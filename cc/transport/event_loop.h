@@ -69,6 +69,8 @@ class EventLoop {
   // one left (the next blocking call usually comes soon), unless kicked by a post.
   void Park();
   void Kick();
+  // A caller leaves DriveUntil (drove: it ran iterations; busy: it left other work in flight).
+  void LeaveDrive(bool drove, bool busy);
   bool HasPosts();
   // One iteration; the drive lock is held. Returns after_events' sleep and whether anything happened.
   // loop_thread: run by the loop's own thread, which leaves posted tasks to a caller come to drive.
