@@ -1,9 +1,11 @@
 // The collective engine: asynchronous, name-keyed collectives over a versioned peer list.
 //
 // Design, in short:
-//  1. One event-loop thread owns every socket and every in-flight collective; collectives are state
-//     machines that advance when a message arrives or a send drains. No thread per operation, and
-//     no lock inside an algorithm. One more thread accepts connections and runs the handshake.
+//  1. One event loop owns every socket and every in-flight collective; collectives are state machines
+//     that advance when a message arrives or a send drains. No thread per operation, and no lock inside
+//     an algorithm. The loop runs on a thread of its own, or on a caller that blocks until its
+//     collective is done and drives it meanwhile (RunAndWait); one thread at a time either way. One
+//     more thread accepts connections and runs the handshake.
 //  2. Collectives are keyed by (name, generation): the generation counts how many times this worker
 //     has started that name. Workers may start collectives in any order; a message for one not started
 //     yet waits in a bounded buffer (max_pending_bytes). There is no per-step negotiation.
@@ -12,7 +14,8 @@
 //  4. Every collective has a deadline (timeout). A peer whose connection closes fails every in-flight
 //     collective at once, naming the peer; later collectives fail immediately. A peer that leaves
 //     cleanly (LeaveCleanly) says so first, and collectives it has finished too go on without it.
-//  5. Callbacks run on the loop thread: they must be quick and must not call back into a blocking wait.
+//  5. Callbacks run on the thread driving the loop: they must be quick and must not call back into a
+//     blocking wait.
 //  6. Buffers passed in must stay valid and unmodified until the callback runs.
 //  7. Peer-to-peer (cc/p2p/): each worker keeps a store of named tensors (Save); any worker can fetch
 //     one peer's latest copy (Request) without that peer's caller taking part: its loop thread answers.

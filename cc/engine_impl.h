@@ -1,5 +1,7 @@
 // Engine internals. Threading and ownership:
-//  - loop_ (one thread) owns conns_, ops_, pending_, next_gen_ and dead_: touched only on it.
+//  - loop_ owns conns_, ops_, pending_, next_gen_ and dead_: touched only by the thread driving it (its
+//    own, or a blocking caller's in RunAndWait), one at a time under its drive lock. "The loop thread"
+//    below means whichever thread that is.
 //  - acceptor_ (one thread) accepts and authenticates incoming connections, then posts them to the loop.
 //  - API calls from any thread build an Op and post it; callbacks run on the loop thread.
 //  - stats_ are atomics, readable from any thread; collective_stats_ has its own mutex (the loop thread
