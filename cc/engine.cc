@@ -363,6 +363,10 @@ void Engine::RunAndWait(const std::function<void()>& start, const std::function<
 
 void Engine::WakeWaiters() { impl_->loop().Notify(); }
 
+void Engine::Progress() {
+  if (impl_->config().caller_drives) impl_->loop().PollOnce();
+}
+
 Status Engine::AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
                              const std::string& name) {
   std::atomic<bool> finished{false};

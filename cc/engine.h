@@ -135,6 +135,9 @@ class Engine {
   // a callback.
   void RunAndWait(const std::function<void()>& start, const std::function<bool()>& finished);
   void WakeWaiters();
+  // From a RunAndWait start() that submits several collectives with work in between (a group's
+  // packing): runs one non-blocking loop iteration here, so those already submitted go out meanwhile.
+  void Progress();
 
   // Synchronous helpers for tests and the C API: run one collective and wait for it (with Wait).
   Status AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name);

@@ -77,6 +77,8 @@ class CollectiveKernel : public AsyncOpKernel {
 
  protected:
   virtual void Start(OpKernelContext* ctx, DoneCallback done) = 0;
+  // Start runs inside Engine::RunAndWait, whose caller drives the engine only once Start returns.
+  bool blocking() const { return blocking_; }
 
  private:
   bool blocking_ = false;

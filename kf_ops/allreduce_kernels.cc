@@ -198,6 +198,8 @@ class GroupAllReduceOp : public CollectiveKernel {
       } else {
         local += StartBucket(ctx, engine.get(), part, names[p], group_sig, ins, outs, bytes, group, inputs, squares);
       }
+      // Blocking, nothing runs the loop until this returns: let this part go out while the next is packed.
+      if (blocking()) engine->Progress();
     }
     if (carrier >= 0) {
       StartBucket(ctx, engine.get(), plan[carrier], names[carrier], group_sig, ins, outs, bytes, group, inputs, squares,

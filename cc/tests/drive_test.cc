@@ -142,6 +142,45 @@ TEST(Drive, WorkLeftInFlightByADriverStillTimesOut) {
   }
 }
 
+// A start() that takes a while (a group packing its buckets) lets what it already submitted go out with
+// Progress(), although nothing drives the loop until it returns: here the peer finishes first.
+TEST(Drive, ProgressSendsWhatAStartSubmittedSoFar) {
+  auto engines = StartCluster(2, [](EngineConfig& c) { c.timeout_seconds = 10; });
+  std::atomic<bool> peer_done{false}, peer_done_during_start{false};
+  RunRanks(2, [&](int r) {
+    float x = 1;
+    if (r == 1) {
+      Waiter w;
+      engines[1]->AllReduce(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "p", [&, d = w.Callback()](const Status& s) {
+        peer_done = true;
+        d(s);
+      });
+      EXPECT_OK(w.Wait());
+      EXPECT_EQ(x, 2.f);
+      return;
+    }
+    std::atomic<bool> finished{false};
+    Status result;
+    engines[0]->RunAndWait(
+        [&] {
+          engines[0]->AllReduce(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "p", [&](const Status& s) {
+            result = s;
+            finished = true;
+            engines[0]->WakeWaiters();
+          });
+          for (int i = 0; i < 100 && !peer_done; ++i) {  // "packing", up to 1 s
+            engines[0]->Progress();
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+          }
+          peer_done_during_start = peer_done.load();
+        },
+        [&] { return finished.load(); });
+    EXPECT_OK(result);
+    EXPECT_EQ(x, 2.f);
+  });
+  EXPECT_TRUE(peer_done_during_start.load());
+}
+
 // A caller driving its own wait sees a peer that goes away at once, not at the deadline.
 TEST(Drive, BlockedCallerSeesADeadPeerPromptly) {
   auto engines = StartCluster(2, [](EngineConfig& c) { c.timeout_seconds = 30; });

@@ -281,6 +281,13 @@ void EventLoop::DriveUntil(const std::function<bool()>& finished, const std::fun
   turn_cv_.wait(park, [&] { return finished(); });
 }
 
+void EventLoop::PollOnce() {
+  std::unique_lock<std::mutex> lock(drive_mu_, std::try_to_lock);
+  if (!lock.owns_lock()) return;
+  bool active = false;
+  Iterate(0, &active, false);
+}
+
 void EventLoop::LeaveDrive(bool drove, bool busy) {
   turn_cv_.notify_all();  // the next waiting caller's turn
   // The loop thread lingers, parked, in case another blocking call comes soon, unless other work

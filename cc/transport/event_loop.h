@@ -57,6 +57,10 @@ class EventLoop {
                   bool drive = true);
   // Wakes the callers waiting in DriveUntil to look at their conditions again.
   void Notify();
+  // One non-blocking iteration on the calling thread, unless another thread is running one: for a
+  // DriveUntil start() that takes a while (packing a group's buckets), so what it has already started
+  // goes out meanwhile (the loop thread leaves that to the caller). Never from a callback.
+  void PollOnce();
 
   // Driving thread only.
   void Add(int fd, uint32_t events, Handler handler);
