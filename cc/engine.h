@@ -45,7 +45,7 @@ struct EngineConfig {
   int64_t max_pending_bytes = int64_t{1} << 30;  // bound on data buffered for collectives not started
   int spin_us = 200;                  // the loop polls this long after activity before sleeping (KUNGFU_SPIN_US)
   int64_t read_budget_bytes = 4 << 20;  // most read from one peer per wake-up, so no peer starves the others
-  bool caller_drives = true;  // Wait() runs the loop on the waiting thread (KUNGFU_CALLER_DRIVES)
+  bool caller_drives = true;  // RunAndWait() runs the loop on the waiting thread (KUNGFU_CALLER_DRIVES)
 };
 
 // Counters for tests and benchmarks; read with Engine::stats().
@@ -139,7 +139,7 @@ class Engine {
   // packing): runs one non-blocking loop iteration here, so those already submitted go out meanwhile.
   void Progress();
 
-  // Synchronous helpers for tests and the C API: run one collective and wait for it (with Wait).
+  // Synchronous helpers for tests and the C API: run one collective and wait for it (with RunAndWait).
   Status AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name);
 
   class Impl;

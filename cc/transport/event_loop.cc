@@ -71,7 +71,7 @@ void EventLoop::Post(std::function<void()> task) {
       lock.unlock();
       Wake();  // whoever waits in epoll_wait: the loop thread or a driving caller
       // No caller will run it: the loop thread must, even if it lingers. (A caller that leaves after
-      // this read kicks it itself: see DriveUntil.)
+      // this read kicks it itself: see LeaveDrive.)
       if (callers_.load() == 0 && parked_.load()) Kick();
       return;
     }
