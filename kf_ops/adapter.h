@@ -2,12 +2,13 @@
 // completion path every collective kernel uses.
 //
 // Threading: engine callbacks run on the thread driving the engine's event loop (its own, or an eager
-// kernel's caller: CollectiveKernel below) and must be quick (cc/engine.h, design note 5). done() is quick when the executor hands ready successors to its runner (the
-// normal case) or notifies an eager caller, so kernels finish right there. When the executor runs
-// every kernel inline (ctx->run_all_kernels_inline(), e.g. some tf.data functions), done() could run
-// a successor on the loop thread, possibly one that waits on the engine: then the callback hops to
-// the device's worker pool first. KUNGFU_KERNEL_HOP=1 forces the hop always. Either way the status
-// is set and done() called exactly once.
+// kernel's caller: CollectiveKernel below) and must be quick (cc/engine.h, design note 5). done() is
+// quick when the executor hands ready successors to its runner (the normal case) or notifies an eager
+// caller, so kernels finish right there. When the executor runs every kernel inline
+// (ctx->run_all_kernels_inline(), e.g. some tf.data functions), done() could run a successor on the
+// loop thread, possibly one that waits on the engine: then the callback hops to the device's worker
+// pool first. KUNGFU_KERNEL_HOP=1 forces the hop always. Either way the status is set and done()
+// called exactly once.
 #pragma once
 
 #include <functional>

@@ -174,6 +174,27 @@ constexpr int kMaxIdleMs = 1000;
 int64_t NowNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
 }
+
+// The spin window both drivers (the loop thread, a caller) keep: for spin_us after any activity the
+// next iteration polls instead of sleeping, yielding the CPU between empty polls.
+class Spin {
+ public:
+  explicit Spin(int spin_us) : spin_(std::chrono::microseconds(spin_us)) {}
+  // Whether the next iteration, which may sleep timeout_ms (0: it would not sleep anyway), should poll.
+  bool Polling(int timeout_ms) const { return timeout_ms != 0 && Clock::now() - last_activity_ < spin_; }
+  void After(bool active, bool polled) {
+    if (active) {
+      last_activity_ = Clock::now();
+    } else if (polled) {
+      sched_yield();
+    }
+  }
+  void Forget() { last_activity_ = Clock::time_point(); }  // the activity was not this driver's
+
+ private:
+  const std::chrono::microseconds spin_;
+  Clock::time_point last_activity_ = Clock::now();
+};
 }  // namespace
 
 void EventLoop::Park() {
@@ -196,17 +217,16 @@ void EventLoop::Park() {
 }
 
 void EventLoop::Run() {
-  const auto spin = std::chrono::microseconds(spin_us_);
-  auto last_activity = Clock::now();
+  Spin spin(spin_us_);
   int timeout_ms = 0;
   while (running_) {
     if (callers_.load() > 0 || std::chrono::nanoseconds(NowNs() - last_exit_ns_.load()) < kLinger) {
       Park();
       timeout_ms = 0;  // look at once (below), but do not spin: the activity was the callers'
-      last_activity = Clock::time_point();
+      spin.Forget();
     }
-    const bool spinning = timeout_ms != 0 && Clock::now() - last_activity < spin;
-    if (timeout_ms != 0 && !spinning) {
+    const bool polling = spin.Polling(timeout_ms);
+    if (timeout_ms != 0 && !polling) {
       // Idle: sleep until I/O, a post or the next deadline without the drive lock, so that a caller
       // can take it at once; whatever woke the loop is handled by the iteration below.
       epoll_event ev;
@@ -220,11 +240,7 @@ void EventLoop::Run() {
       if (callers_.load() > 0) continue;
       timeout_ms = Iterate(0, &active, true);
     }
-    if (active) {
-      last_activity = Clock::now();
-    } else if (spinning) {
-      sched_yield();
-    }
+    spin.After(active, polling);
   }
 }
 
@@ -253,20 +269,15 @@ void EventLoop::DriveUntil(const std::function<bool()>& finished, const std::fun
       drove = true;
       park.unlock();
       {
-        const auto spin = std::chrono::microseconds(spin_us_);
         // The loop thread lets go within one iteration and then parks (callers_ > 0).
         std::lock_guard<std::mutex> drive_lock(drive_mu_);
-        auto last_activity = Clock::now();
+        Spin spin(spin_us_);
         int timeout_ms = 0;
         while (!finished() && running_) {
-          const bool spinning = timeout_ms != 0 && Clock::now() - last_activity < spin;
+          const bool polling = spin.Polling(timeout_ms);
           bool active = false;
-          timeout_ms = Iterate(spinning ? 0 : timeout_ms, &active, false);
-          if (active) {
-            last_activity = Clock::now();
-          } else if (spinning) {
-            sched_yield();
-          }
+          timeout_ms = Iterate(polling ? 0 : timeout_ms, &active, false);
+          spin.After(active, polling);
         }
         busy = busy_ && busy_();  // other work in flight (async collectives, requests, unsent data)
       }
