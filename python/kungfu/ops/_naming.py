@@ -49,15 +49,18 @@ def function_graph(graph):
     return graph
 
 
-def collective_key(op, name):
-    """The key of one collective call of type op ("all_reduce", ...); name is the caller's or None."""
+def collective_key(op, name, eager=None):
+    """The key of one collective call of type op ("all_reduce", ...); name is the caller's or None.
+    eager: tf.executing_eagerly(), if the caller has it already."""
+    if eager is None:
+        eager = tf.executing_eagerly()
     if name is not None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"{op}: name must be a non-empty string, got {name!r}")
-        if not tf.executing_eagerly():
+        if not eager:
             _claim(tf.compat.v1.get_default_graph(), name, op)
         return name
-    if tf.executing_eagerly():
+    if eager:
         with _lock:
             n = _eager_counts[op]
             _eager_counts[op] += 1
@@ -66,17 +69,28 @@ def collective_key(op, name):
     return f"{function_graph(graph).name}/{graph.unique_name(op)}"
 
 
-def key_tensor(op, name):
+def call_inputs(op, name):
+    """What every collective op takes besides its data: (key, token, eager), where eager is also the
+    ops' `blocking` attr. Eagerly the caller waits for the result anyway, so the kernel waits on the
+    calling thread and drives the engine there, saving a thread wake-up each way
+    (Engine::RunAndWait); in a graph it must stay False, as an executor thread must never block.
+    tf.executing_eagerly() is asked once here: an eager collective pays for each Python call."""
+    eager = tf.executing_eagerly()
+    return key_tensor(op, name, eager), token(eager), eager
+
+
+def key_tensor(op, name, eager=None):
     """collective_key(op, name) as the ops' `key` input: a scalar string tensor."""
-    key = collective_key(op, name)
-    if not tf.executing_eagerly():
+    if eager is None:
+        eager = tf.executing_eagerly()
+    key = collective_key(op, name, eager)
+    if not eager:
         return key
     # Eagerly, a tensor (not a str) keeps the op on TF's fast path: about 100 us less per call. Making
     # the tensor costs about 50 us itself, so those of explicit names (reused every step) are kept.
     if name is None:
         return tf.constant(key)
-    with _lock:
-        t = _eager_keys.get(key)
+    t = _eager_keys.get(key)  # one dict read is atomic; the lock guards the check-and-clear below
     if t is None:
         t = tf.constant(key)
         with _lock:
@@ -97,7 +111,7 @@ def _claim(graph, name, op):
         names.add(name)
 
 
-def token():
+def token(eager=None):
     """A fresh ordering token for one collective call."""
     global _token_variable
     variable = _token_variable  # set once; the lock is for the first call only
@@ -108,6 +122,6 @@ def token():
                     _token_variable = tf.Variable(0, trainable=False, name="kungfu_token", dtype=tf.int32)
             variable = _token_variable
     handle = variable.handle
-    if tf.executing_eagerly():
+    if tf.executing_eagerly() if eager is None else eager:
         return handle  # eager ops run one at a time anyway
     return tf.raw_ops.IdentityN(input=[handle])[0]

@@ -15,18 +15,25 @@ import tensorflow as tf
 from .. import _lib
 from . import _naming
 
+
+class _DTypes(tuple):
+    """The dtypes an op takes, in the order error messages list them; `in` looks them up by hash,
+    not by one DType.__eq__ per entry (an eager collective pays for each Python call)."""
+
+    def __new__(cls, dtypes):
+        self = super().__new__(cls, dtypes)
+        self._set = frozenset(dtypes)
+        return self
+
+    def __contains__(self, dtype):
+        return dtype in self._set
+
+
 REDUCE_OPS = ("sum", "mean", "min", "max", "prod")
-REDUCE_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64)
-COPY_DTYPES = REDUCE_DTYPES + (tf.uint8, tf.int8, tf.bool)  # broadcast, all_gather, consensus
+REDUCE_DTYPES = _DTypes((tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64))
+COPY_DTYPES = _DTypes(REDUCE_DTYPES + (tf.uint8, tf.int8, tf.bool))  # broadcast, all_gather, consensus
 
 _no_autograph = tf.autograph.experimental.do_not_convert
-
-
-def _blocking():
-    """The ops' `blocking` attr: eagerly the caller waits for the result anyway, so the kernel waits on
-    the calling thread and drives the engine there, which saves a thread wake-up each way
-    (Engine::RunAndWait). In a graph it must stay False: an executor thread must never block."""
-    return tf.executing_eagerly()
 
 
 def _reduce_op(op, what):
@@ -54,8 +61,8 @@ def all_reduce(x, op="sum", name=None):
     op = _reduce_op(op, "all_reduce")
     _lib.require_init("kungfu.all_reduce")
     x = _tensor(x, REDUCE_DTYPES, "all_reduce")
-    key = _naming.key_tensor("all_reduce", name)
-    return _lib.op_module().kf_all_reduce(x, key, _naming.token(), reduce_op=op, blocking=_blocking())
+    key, token, eager = _naming.call_inputs("all_reduce", name)
+    return _lib.op_module().kf_all_reduce(x, key, token, reduce_op=op, blocking=eager)
 
 
 @_no_autograph
@@ -75,13 +82,13 @@ def group_all_reduce(xs, op="sum", name=None, fusion_bytes=None):
     xs = [_tensor(x, REDUCE_DTYPES, "group_all_reduce") for x in xs]
     if not xs:
         return []
-    key = _naming.key_tensor("group_all_reduce", name)
+    key, token, eager = _naming.call_inputs("group_all_reduce", name)
     extra = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}
-    return list(_lib.op_module().kf_group_all_reduce(xs, key, _naming.token(), reduce_op=op, blocking=_blocking(),
+    return list(_lib.op_module().kf_group_all_reduce(xs, key, token, reduce_op=op, blocking=eager,
                                                      **extra))
 
 
-NORM_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)  # group_all_reduce_with_norms's
+NORM_DTYPES = _DTypes((tf.float16, tf.bfloat16, tf.float32, tf.float64))  # group_all_reduce_with_norms's
 
 
 @_no_autograph
@@ -104,10 +111,10 @@ def group_all_reduce_with_norms(xs, norms=True, op="sum", name=None, fusion_byte
         raise ValueError(f"group_all_reduce_with_norms: fusion_bytes must be an int >= 0, got {fusion_bytes!r}")
     xs = [_tensor(x, NORM_DTYPES, "group_all_reduce_with_norms") for x in xs]
     norms = tf.convert_to_tensor(norms, tf.bool)
-    key = _naming.key_tensor("group_all_reduce", name)
+    key, token, eager = _naming.call_inputs("group_all_reduce", name)
     extra = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}
-    outs, local_sq, reduced_sq = _lib.op_module().kf_group_all_reduce_norms(xs, norms, key, _naming.token(),
-                                                                            reduce_op=op, blocking=_blocking(),
+    outs, local_sq, reduced_sq = _lib.op_module().kf_group_all_reduce_norms(xs, norms, key, token,
+                                                                            reduce_op=op, blocking=eager,
                                                                             **extra)
     return list(outs), local_sq, reduced_sq
 
@@ -121,8 +128,8 @@ def broadcast(x, root=0, name=None):
         raise ValueError(f"broadcast: root must be a rank in [0, {size}), got {root!r}")
     root = int(root)
     x = _tensor(x, COPY_DTYPES, "broadcast")
-    key = _naming.key_tensor("broadcast", name)
-    return _lib.op_module().kf_broadcast(x, key, _naming.token(), root=root, blocking=_blocking())
+    key, token, eager = _naming.call_inputs("broadcast", name)
+    return _lib.op_module().kf_broadcast(x, key, token, root=root, blocking=eager)
 
 
 @_no_autograph
@@ -135,16 +142,16 @@ def all_gather(x, name=None):
     """
     _lib.require_init("kungfu.all_gather")
     x = _tensor(x, COPY_DTYPES, "all_gather")
-    key = _naming.key_tensor("all_gather", name)
-    return _lib.op_module().kf_all_gather(x, key, _naming.token(), blocking=_blocking())
+    key, token, eager = _naming.call_inputs("all_gather", name)
+    return _lib.op_module().kf_all_gather(x, key, token, blocking=eager)
 
 
 @_no_autograph
 def barrier(name=None):
     """Waits until every worker has reached this barrier. Returns None eagerly, the op in a graph."""
     _lib.require_init("kungfu.barrier")
-    key = _naming.key_tensor("barrier", name)
-    return _lib.op_module().kf_barrier(key, _naming.token(), blocking=_blocking())
+    key, token, eager = _naming.call_inputs("barrier", name)
+    return _lib.op_module().kf_barrier(key, token, blocking=eager)
 
 
 @_no_autograph
@@ -152,5 +159,5 @@ def consensus(x, name=None):
     """A scalar bool tensor: whether every worker passed an x of the same dtype, shape and bytes."""
     _lib.require_init("kungfu.consensus")
     x = _tensor(x, COPY_DTYPES, "consensus")
-    key = _naming.key_tensor("consensus", name)
-    return _lib.op_module().kf_consensus(x, key, _naming.token(), blocking=_blocking())
+    key, token, eager = _naming.call_inputs("consensus", name)
+    return _lib.op_module().kf_consensus(x, key, token, blocking=eager)
