@@ -20,6 +20,7 @@ EQUIVALENCE = ["fit_equals_single_process", "custom_loop_equals_single_process",
                "gradient_buckets_are_in_flight_together", "indexed_slices_equal_densified",
                "fp16_compression_halves_the_bytes_and_keeps_the_mean", "metric_average_callback_agrees",
                "resumed_fit_equals_single_process", "gradient_accumulation_exchanges_once_per_update",
+               "accumulation_survives_a_fit_that_ends_between_updates",
                "loss_scaling_skips_one_workers_overflow_everywhere",
                "unequal_steps_fail_at_once"]
 DIGITS = ["sma_digits", "pair_averaging_digits"]

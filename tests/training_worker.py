@@ -484,6 +484,25 @@ def gradient_accumulation_exchanges_once_per_update():
 
 
 @check
+def accumulation_survives_a_fit_that_ends_between_updates():
+    """gradient_accumulation_steps=2 through model.fit, split into a fit of 3 steps (it ends half way
+    through an update) and one of the rest, each with its own BroadcastGlobalVariablesCallback: the
+    second broadcast must leave each worker's half-filled accumulators alone, so the weights are still
+    those of one process over the whole global batches."""
+    def accumulating():
+        return keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2)
+
+    x, y = local_data()
+    first = 3 * LOCAL_BATCH
+    model = make_model(100 + kungfu.rank())  # different on every worker until the first broadcast
+    model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(accumulating()), loss=loss_fn())
+    for part in (slice(None, first), slice(first, None)):
+        model.fit(x[part], y[part], batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0,
+                  callbacks=[kf_callbacks.BroadcastGlobalVariablesCallback(root=0)])
+    assert_close(model.get_weights(), reference_weights(accumulating), "two fits with gradient accumulation")
+
+
+@check
 def loss_scaling_skips_one_workers_overflow_everywhere():
     """Under mixed_float16, with the LossScaleOptimizer inside the distributed one: a batch that overflows
     on rank 1 only (inputs beyond float16's range) is skipped on every worker, because the overflow check
