@@ -248,6 +248,21 @@ def test_warmup_callback_happens_once_and_not_when_fit_starts_past_it():
     assert record.rates == pytest.approx([0.05] * 4)  # a resumed run past the warm-up keeps its rate
 
 
+def test_warmup_callback_goes_on_across_fits_that_count_epochs_from_zero():
+    """fit(epochs=1) in a loop with one callback warms up as one fit of as many epochs would; a fit with
+    initial_epoch where the last one stopped goes on from there too."""
+    model, x, y = model_and_data()  # 4 batches an epoch
+    model.compile(optimizer=optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.5)), loss="mse")
+    warmup, record = callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=2, start_lr=0.1), _RecordRate()
+    for _ in range(3):
+        model.fit(x, y, batch_size=16, epochs=1, callbacks=[warmup, record], verbose=0)
+    assert record.rates == pytest.approx([0.1 + 0.3 * min(i / 8, 1) for i in range(12)])
+    warmup, record = callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=2, start_lr=0.1), _RecordRate()
+    model.fit(x, y, batch_size=16, epochs=1, callbacks=[warmup, record], verbose=0)
+    model.fit(x, y, batch_size=16, epochs=3, initial_epoch=1, callbacks=[warmup, record], verbose=0)
+    assert record.rates == pytest.approx([0.1 + 0.3 * min(i / 8, 1) for i in range(12)])
+
+
 def test_warmup_callback_starts_from_the_rate_over_size():
     model, x, y = model_and_data()
     model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")

@@ -399,14 +399,33 @@ def fp16_compression_halves_the_bytes_and_keeps_the_mean():
 
 @check
 def metric_average_callback_agrees():
+    """The loss and a metric that logs one value per class (averaged element by element) agree."""
+
+    class PredictedClasses(keras.metrics.Metric):
+        def __init__(self):
+            super().__init__(name="predicted")
+            self.counts = self.add_weight(shape=(CLASSES,), initializer="zeros", name="counts")
+
+        def update_state(self, y_true, y_pred, sample_weight=None):
+            self.counts.assign_add(tf.reduce_sum(tf.one_hot(tf.argmax(y_pred, -1), CLASSES), 0))
+
+        def result(self):
+            return self.counts
+
     x, y = local_data()
     model = make_model(100)
-    model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(sgd()), loss=loss_fn())
+    model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(sgd()), loss=loss_fn(),
+                  metrics=[PredictedClasses()])
     history = model.fit(x, y, batch_size=LOCAL_BATCH, epochs=2, shuffle=False, verbose=0,
                         callbacks=[kf_callbacks.MetricAverageCallback()])
     value = np.array(history.history["loss"], np.float64)
     if not bool(kungfu.consensus(value)):
         raise AssertionError(f"MetricAverageCallback: workers logged different losses: {value}")
+    counts = np.array(history.history["predicted"], np.float64)
+    if counts.shape != (2, CLASSES) or not bool(kungfu.consensus(counts)):
+        raise AssertionError(f"MetricAverageCallback: per-class values {counts.tolist()} differ across workers")
+    if not np.allclose(counts.sum(axis=1), len(x)):  # each worker predicted its len(x) rows; so does the mean
+        raise AssertionError(f"MetricAverageCallback: per-class means {counts.tolist()} do not add up to {len(x)}")
 
 
 @check

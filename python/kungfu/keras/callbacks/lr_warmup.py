@@ -26,7 +26,8 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
 
     The warm-up happens once: a later fit leaves the rate alone once it is over, and a fit that starts
     past it (initial_epoch, a resumed run) never touches the rate. A fit that stops within it and a later
-    one with initial_epoch go on where it stopped. The optimizer's learning rate must be a number (a
+    one go on where it stopped, whether the later one passes initial_epoch or counts its epochs from 0
+    again (fit called in a loop, one epoch at a time). The optimizer's learning rate must be a number (a
     variable), not a LearningRateSchedule: that raises ValueError when training begins. Momentum is not
     corrected as the rate changes.
     """
@@ -40,6 +41,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self.start_lr = None if start_lr is None else _positive("start_lr", start_lr)
         self.verbose = verbose
         self._epoch = 0
+        self._offset = 0.0  # epochs added to this fit's own position (it restarted its count mid-warm-up)
+        self._next = None  # the position of the batch after the last one ramped, in epochs
+        self._new_fit = False
         self._steps = None
         self._first_lr = None
         self._ramping = False  # a batch of the warm-up has had its rate set
@@ -47,6 +51,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         _lib.require_init("LearningRateWarmupCallback")
+        self._new_fit = True
         self._steps = self.steps_per_epoch or (self.params or {}).get("steps")
         if not self._steps:
             raise ValueError("LearningRateWarmupCallback: model.fit does not know the number of batches per epoch "
@@ -61,23 +66,34 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
-        if self.verbose and epoch < self.warmup_epochs and _lib.rank() == 0:
-            print(f"LearningRateWarmupCallback: epoch {epoch + 1}, learning rate {self.rate(epoch, 0):.6g}")
+        if self._new_fit:  # this fit's first epoch: does it count from before where the warm-up got to?
+            self._new_fit = False
+            behind = self._ramping and not self._finished and epoch < self._next
+            self._offset = self._next - epoch if behind else 0.0
+        if self.verbose and not self._finished and epoch + self._offset < self.warmup_epochs and _lib.rank() == 0:
+            print(f"LearningRateWarmupCallback: epoch {epoch + 1}, learning rate "
+                  f"{self._rate_at(epoch + self._offset):.6g}")
 
     def on_train_batch_begin(self, batch, logs=None):
         if self._finished:
             return  # also in a later fit: the rate may have moved since (ReduceLROnPlateau, a policy)
-        over = self._epoch + batch / self._steps >= self.warmup_epochs
+        at = self._epoch + self._offset + batch / self._steps
+        over = at >= self.warmup_epochs
         if over and not self._ramping:
             self._finished = True  # this fit starts past the warm-up (initial_epoch, a resumed run)
             return
         self._ramping = True
-        self.model.optimizer.learning_rate = self.rate(self._epoch, batch)
+        self.model.optimizer.learning_rate = self._rate_at(at)
+        self._next = at + 1 / self._steps
         self._finished = over
 
     def rate(self, epoch, batch):
-        """The rate of batch `batch` of epoch `epoch` (both from 0); initial_lr once the warm-up is over."""
-        done = min((epoch + batch / self._steps) / self.warmup_epochs, 1.0)
+        """The rate of batch `batch` of epoch `epoch` (both from 0, counted from the warm-up's start);
+        initial_lr once the warm-up is over."""
+        return self._rate_at(epoch + batch / self._steps)
+
+    def _rate_at(self, epochs):
+        done = min(epochs / self.warmup_epochs, 1.0)
         return self._first_lr + (self.initial_lr - self._first_lr) * done
 
 
