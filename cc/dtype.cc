@@ -1,7 +1,10 @@
 #include "cc/dtype.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+#include <limits>
+#include <type_traits>
 
 namespace kungfu {
 
@@ -127,14 +130,36 @@ uint16_t FloatToBFloat16(float f) {
 
 namespace {
 
+// min and max that give the same bits whichever operand comes first, as recursive doubling needs (each
+// partner reduces with the operands swapped): std::min/max return their first argument for a NaN
+// and for -0 against +0. Here a NaN wins (one quiet NaN, whatever the inputs' payloads), as in
+// np.maximum, so a NaN on any worker shows in the result; and -0 < +0.
+template <typename T>
+T Max(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) {
+    if (a != a || b != b) return std::numeric_limits<T>::quiet_NaN();
+    if (a == b) return std::signbit(a) ? b : a;
+  }
+  return a < b ? b : a;
+}
+
+template <typename T>
+T Min(T a, T b) {
+  if constexpr (std::is_floating_point_v<T>) {
+    if (a != a || b != b) return std::numeric_limits<T>::quiet_NaN();
+    if (a == b) return std::signbit(a) ? a : b;
+  }
+  return a < b ? a : b;
+}
+
 template <typename T>
 struct Ops {
   static T Apply(ReduceOp op, T a, T b) {
     switch (op) {
       case ReduceOp::kSum:
       case ReduceOp::kMean: return a + b;
-      case ReduceOp::kMin: return std::min(a, b);
-      case ReduceOp::kMax: return std::max(a, b);
+      case ReduceOp::kMin: return Min(a, b);
+      case ReduceOp::kMax: return Max(a, b);
       case ReduceOp::kProd: return a * b;
     }
     return a;
@@ -150,10 +175,10 @@ void ReduceTyped(T* dst, const T* a, const T* b, int64_t n, ReduceOp op) {
       for (int64_t i = 0; i < n; ++i) dst[i] = a[i] + b[i];
       break;
     case ReduceOp::kMin:
-      for (int64_t i = 0; i < n; ++i) dst[i] = std::min(a[i], b[i]);
+      for (int64_t i = 0; i < n; ++i) dst[i] = Min(a[i], b[i]);
       break;
     case ReduceOp::kMax:
-      for (int64_t i = 0; i < n; ++i) dst[i] = std::max(a[i], b[i]);
+      for (int64_t i = 0; i < n; ++i) dst[i] = Max(a[i], b[i]);
       break;
     case ReduceOp::kProd:
       for (int64_t i = 0; i < n; ++i) dst[i] = a[i] * b[i];

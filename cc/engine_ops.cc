@@ -66,7 +66,7 @@ void Engine::Impl::Dispatch(ActiveOp& a, int src, const FrameHeader& h, const ch
   if (h.kind != FrameKind::kAbort && h.shape_sig != op->shape_sig) {
     // Before the algorithm's own checks, so this also catches what differs in the element count.
     return Fail(id,
-                InvalidArgument("peer " + config_.peers.Describe(src) + " passed a tensor of another shape (" +
+                InvalidArgument("peer " + config_.peers.Describe(src) + " passed a tensor of another shape or dtype (" +
                                 std::to_string(h.count) + " elements there)"),
                 true);
   }

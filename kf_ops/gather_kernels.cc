@@ -44,8 +44,9 @@ class BroadcastOp : public CollectiveKernel {
       std::memcpy(buf, view.data, in.TotalBytes());
     }
     auto keep = std::make_shared<Tensor>(in);
+    // uint8, int8 and bool all travel as bytes (kUInt8): the signature tells them apart.
     engine->Broadcast(buf, view.count, view.dtype, root_, key, FinishKernel(ctx, std::move(done), nullptr, keep),
-                      ShapeSignature(in.shape()));
+                      CombineSignatures(ShapeSignature(in.shape()), static_cast<uint32_t>(in.dtype())));
   }
 
  private:

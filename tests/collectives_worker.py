@@ -329,6 +329,10 @@ def mismatches_fail_on_every_worker():
                                                        name="mm/shape"), ["mm/shape", "another shape"]),
         "broadcast shape": (lambda: kungfu.broadcast(np.zeros([6] if odd else [2, 3], np.int32), name="mm/bshape"),
                             ["mm/bshape", "another shape"]),
+        # One-byte dtypes travel as the same bytes: the signature carries the TF dtype too (a bool tensor
+        # must never receive a uint8's 255).
+        "broadcast byte dtype": (lambda: kungfu.broadcast(np.zeros([3], np.bool_ if odd else np.uint8),
+                                                          name="mm/bbytes"), ["mm/bbytes", "dtype"]),
     }
     problems = []
     for what, (fn, words) in cases.items():

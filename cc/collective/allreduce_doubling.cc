@@ -3,7 +3,9 @@
 // In round k every worker swaps its partial result with worker rank ^ 2^k and reduces the two, so
 // after log2(n) rounds everyone holds the full result: log2(n) message delays with every worker busy,
 // where the star needs two delays but funnels n-1 messages through rank 0. Both partners compute
-// a (op) b with the operands swapped; the ops are commutative, so the results agree bit for bit.
+// a (op) b with the operands swapped; the ops are commutative, so the results agree bit for bit (min and
+// max by their definitions in dtype.cc, for NaN and signed zeros too; a sum of two NaNs with different
+// payloads is the one case left that can differ).
 // A buffer that has been sent is never written again (each round reduces into a fresh stage buffer),
 // so a send still queued in the socket never sees later rounds' data.
 #include <algorithm>
