@@ -104,6 +104,20 @@ def local_decisions_follow_rank_0_and_local_metrics_are_averaged():
     assert policy.seen == (kungfu.size() - 1) / 2, policy.seen  # mean of the ranks
 
 
+def workers_logging_different_metrics_get_a_policy_error():
+    """Rank 1 logs other metric names, then more of them: PolicyError on every worker both times (the
+    count once surfaced as the all-reduce's InvalidArgumentError)."""
+    for n, extra in enumerate(({"b": 1.0}, {"a": 1.0, "b": 2.0})):
+        runner = kungfu.PolicyRunner([LocalMind()], optimizer=keras.optimizers.SGD(0.1))
+        try:
+            runner.after_step(**(extra if kungfu.rank() == 1 else {"a": 1.0}), own=0.0)
+        except PolicyError as e:
+            assert "the workers report different metrics" in str(e), str(e)
+        else:
+            raise AssertionError(f"case {n}: no PolicyError when rank 1 logs {sorted(extra)}")
+        kungfu.barrier()
+
+
 class FailsOnRank1(BasePolicy):
     def after_step(self, ctx):
         if kungfu.rank() == 1 and ctx.step == 3:
@@ -271,6 +285,7 @@ def main():
     kungfu.init()
     checks = [strategy_and_learning_rate_change_at_the_same_step,
               local_decisions_follow_rank_0_and_local_metrics_are_averaged,
+              workers_logging_different_metrics_get_a_policy_error,
               a_policy_raising_on_one_worker_raises_on_every_worker,
               batch_size_change_lands_at_the_same_step_in_fit,
               compiled_gns_policy_decides_as_the_python_hook,

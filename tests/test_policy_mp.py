@@ -17,6 +17,7 @@ pytestmark = pytest.mark.usefixtures("kungfu_library")
 WORKER = os.path.join(REPO, "tests", "policy_worker.py")
 CHECKS = ["strategy_and_learning_rate_change_at_the_same_step",
           "local_decisions_follow_rank_0_and_local_metrics_are_averaged",
+          "workers_logging_different_metrics_get_a_policy_error",
           "a_policy_raising_on_one_worker_raises_on_every_worker",
           "batch_size_change_lands_at_the_same_step_in_fit",
           "compiled_gns_policy_decides_as_the_python_hook",

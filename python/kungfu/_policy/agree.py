@@ -38,10 +38,14 @@ def mean_local_metrics(metrics, key, who):
     local = sorted(k for k, v in metrics.items() if k not in AGREED_METRICS and v is not None)
     checksum = _keys_checksum(local)
     vec = np.array([checksum] + [metrics[k] for k in local], np.float64)
-    out = all_reduce(tf.constant(vec), op="mean", name=key).numpy()
+    differ = PolicyError(f"{who}: the workers report different metrics (this worker: {', '.join(local)}); "
+                         "every worker must log the same keys")
+    try:
+        out = all_reduce(tf.constant(vec), op="mean", name=key).numpy()
+    except tf.errors.InvalidArgumentError as e:  # as many keys or not: every worker gets PolicyError
+        raise differ from e
     if out[0] != checksum:  # the mean of equal checksums is exact; of different ones, not equal to ours
-        raise PolicyError(f"{who}: the workers report different metrics (this worker: {', '.join(local)}); "
-                          "every worker must log the same keys")
+        raise differ
     return {**metrics, **{k: float(v) for k, v in zip(local, out[1:])}}
 
 
