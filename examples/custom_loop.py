@@ -72,7 +72,8 @@ def main(argv):
     # learning_rate * size.
     opt = keras.optimizers.Adam(FLAGS.learning_rate)
     opt.build(model.trainable_variables)  # create the optimizer's variables now, so they can be broadcast
-    kungfu.broadcast_variables(model.variables + opt.variables, root=0)
+    # Trainable variables only: model.variables also holds the seed generators' state (docs/training.md).
+    kungfu.broadcast_variables(model.trainable_variables + opt.variables, root=0)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function
