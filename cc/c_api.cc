@@ -87,6 +87,11 @@ int Finalize(bool leave_cleanly) {
 }
 }  // namespace
 
+void kungfu_finalizing(void) {
+  auto e = kungfu::GlobalEngine();
+  if (e) e->Finalizing();
+}
+
 int kungfu_finalize(void) { return Finalize(false); }
 
 int kungfu_leave(void) { return Finalize(true); }

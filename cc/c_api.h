@@ -19,6 +19,9 @@ int kungfu_init(const char* peers, int rank, const char* token, double timeout_s
 int kungfu_initialized(void);
 int kungfu_rank(void);
 int kungfu_size(void);
+/* Tells the peers that this worker starts no collective but the finalize barrier, which it calls next
+ * (Engine::Finalizing). Does nothing without an engine. */
+void kungfu_finalizing(void);
 /* Waits for in-flight work (bounded by the timeout) and stops the engine. Safe to call twice. */
 int kungfu_finalize(void);
 /* kungfu_finalize for a worker whose last collective (the finalize barrier) succeeded: it says goodbye to

@@ -78,6 +78,10 @@ class Engine {
   // goodbye, and those in flight there that this worker never started, fail at once naming it.
   // Without it, a closing worker fails its peers' in-flight collectives (a crash looks the same).
   void LeaveCleanly();
+  // This worker will start no collective but the finalize barrier (the next one it starts, which every
+  // worker joins). Peers hear how many it started before: one waiting in a collective that this worker
+  // never started (it left its training loop early) fails at once, naming it, instead of at its timeout.
+  void Finalizing();
 
   int rank() const;
   int size() const;

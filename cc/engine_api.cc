@@ -20,6 +20,11 @@ Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() { impl_->Shutdown(); }
 void Engine::LeaveCleanly() { impl_->LeaveCleanly(); }
 
+void Engine::Finalizing() {
+  Impl* impl = impl_.get();
+  impl->loop().Post([impl] { impl->BeginFinalize(); });  // in order with the barrier's start
+}
+
 StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineConfig& config) {
   auto impl = std::make_unique<Impl>(config);
   Status s = impl->Start();

@@ -68,6 +68,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   void OnConnectionError(int peer, const Status& s);
   void Judge(int peer, const Status& s);  // the peer is gone: close to it, fail what involves it
   void LeaveCleanly() { leave_cleanly_ = true; }
+  void BeginFinalize();  // loop thread: see Engine::Finalizing
   EventLoop& loop() { return loop_; }
   void CheckBroken(Connection* c);
 
@@ -95,6 +96,9 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   void SendAbort(const Key& key, const Status& s);
   void SendGoodbyes();
   void OnPeerLeft(int peer, uint64_t started);
+  void OnPeerFinalizing(int peer, uint64_t started);
+  // Why collective `id` here can never run on a finalizing peer (it started fewer), or OK.
+  Status NeverJoined(uint64_t id) const;
   void OnSendDone(uint64_t op_id);
   void ReportSent();  // OnSendDone for every id in sent_
   int AfterEvents();  // flush, deadlines; returns the loop's next sleep in ms
@@ -127,6 +131,9 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   std::unordered_map<std::string, uint64_t> next_gen_;
   std::vector<Status> dead_;  // by rank: why a peer is gone (OK while alive)
   std::vector<bool> left_;    // by rank: the peer said goodbye (it is in dead_ too)
+  // By rank: how many collectives the peer started before it began to finalize (kFinalizing), or -1.
+  std::vector<int64_t> finalizing_;
+  int64_t finalized_after_ = -1;  // the same for this worker (BeginFinalize), or -1
   // By rank: the stream this worker writes to closed while the one it reads from is open; judged when
   // that one closes too or at this time, whichever first (see OnConnectionError).
   std::vector<std::optional<Deadline>> judge_at_;

@@ -45,6 +45,7 @@ void Engine::Impl::StartOp(std::unique_ptr<Op> op) {
     }
   }
   if (size() > 1 && !first_dead_.ok()) return Fail(id, first_dead_, false);
+  if (Status never = NeverJoined(id); !never.ok()) return Fail(id, never, false);
   Status s = raw->Start(this);
   if (!s.ok()) return Fail(id, s, s.code() == Code::kInvalidArgument);
   // Deliver them in arrival order.
@@ -82,7 +83,8 @@ void Engine::Impl::Dispatch(ActiveOp& a, int src, const FrameHeader& h, const ch
     case FrameKind::kRequest:
     case FrameKind::kResponse:
     case FrameKind::kBye:
-      return;  // never reach a collective: OnFrame routes them to p2p_ and OnPeerLeft
+    case FrameKind::kFinalizing:
+      return;  // never reach a collective: OnFrame routes them to p2p_, OnPeerLeft and OnPeerFinalizing
     case FrameKind::kAbort: {
       const int code = static_cast<int>(h.tag);
       const Code c = code >= 1 && code <= 14 ? static_cast<Code>(code) : Code::kUnknown;
@@ -191,6 +193,56 @@ void Engine::Impl::OnPeerLeft(int peer, uint64_t started) {
   }
 }
 
+// Finalizing: this worker will start no collective but the finalize barrier. Peers learn how many it
+// started before, so one that waits in a collective this worker never started (it left the training
+// loop early: sys.exit, a return from main) fails at once instead of at its timeout, while this worker
+// waits in the barrier. Posted in order with the barrier's own start, so that one is not counted.
+void Engine::Impl::BeginFinalize() {
+  if (finalized_after_ >= 0) return;
+  finalized_after_ = static_cast<int64_t>(next_op_id_ - 1);
+  for (int d = 0; d < size(); ++d) {
+    if (d == rank() || !out_[d] || out_[d]->broken() || left_[d]) continue;
+    FrameHeader h;
+    h.kind = FrameKind::kFinalizing;
+    h.generation = static_cast<uint64_t>(finalized_after_);
+    h.cluster_version = config_.peers.version();
+    out_[d]->EnqueueOwned(h, "kungfu/finalizing", nullptr, 0);
+  }
+}
+
+Status Engine::Impl::NeverJoined(uint64_t id) const {
+  // Collectives this worker starts after its own BeginFinalize are the barrier, which every peer joins.
+  if (finalized_after_ >= 0 && static_cast<int64_t>(id) > finalized_after_) return Status::OK();
+  for (int p = 0; p < size(); ++p) {
+    if (finalizing_[p] >= 0 && static_cast<int64_t>(id) > finalizing_[p]) {
+      return Unavailable("peer " + config_.peers.Describe(p) + " has begun to finalize after " +
+                         std::to_string(finalizing_[p]) + " collective(s) and will not join this worker's collective #" +
+                         std::to_string(id) + " (did it leave the training loop early, e.g. by sys.exit?)");
+    }
+  }
+  return Status::OK();
+}
+
+void Engine::Impl::OnPeerFinalizing(int peer, uint64_t started) {
+  if (!dead_[peer].ok()) return;
+  finalizing_[peer] = static_cast<int64_t>(started);
+  // Those in flight here that it never started can never finish. Which ones is unknown (workers may
+  // start concurrent collectives in different orders), so, as for a goodbye, all of them fail: the
+  // program has diverged anyway.
+  std::vector<uint64_t> ids;
+  Status why;
+  for (auto& [key, a] : ops_) {
+    Status never = NeverJoined(a.op->id);
+    if (!never.ok()) why = never;
+  }
+  if (why.ok()) return;
+  for (auto& [key, a] : ops_) {
+    if (finalized_after_ < 0 || static_cast<int64_t>(a.op->id) <= finalized_after_) ids.push_back(a.op->id);
+  }
+  KF_LOG(Warning) << "rank " << rank() << ": " << why.message();
+  for (uint64_t id : ids) Fail(id, why, false);
+}
+
 void Engine::Impl::Send(Op* op, int dst, FrameHeader h, const void* data) {
   if (dst == rank() || dst < 0 || dst >= size() || !out_[dst]) {
     KF_LOG(Error) << Describe(*op) << ": no connection to rank " << dst;
@@ -274,6 +326,7 @@ void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char
   if (h.kind == FrameKind::kRequest) return p2p_.OnRequest(src, h, name);
   if (h.kind == FrameKind::kResponse) return p2p_.OnResponse(src, h, data);
   if (h.kind == FrameKind::kBye) return OnPeerLeft(src, h.generation);
+  if (h.kind == FrameKind::kFinalizing) return OnPeerFinalizing(src, h.generation);
   SettleReceiving(src);  // counted again below if it stays pending
   const Key key(std::move(name), h.generation);
   auto it = ops_.find(key);

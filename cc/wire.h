@@ -15,7 +15,8 @@ constexpr uint32_t kFrameMagic = 0x474e464b;  // "KFNG"
 // 3: adds the BYE frame.
 // 4: adds allreduce by halving-doubling (its algorithm id).
 // 5: adds the pad between the name and the payload.
-constexpr uint16_t kProtocolVersion = 5;
+// 6: adds the FINALIZING frame.
+constexpr uint16_t kProtocolVersion = 6;
 constexpr size_t kFrameHeaderSize = 64;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint8_t kMaxPadBytes = 64;
@@ -33,8 +34,10 @@ enum class FrameKind : uint8_t {
                   // dtype, count, shape_sig: the copy's; offset and payload: one piece of its data
   kBye = 6,  // the sender leaves cleanly: everything it owed was sent before this frame, and it has nothing
              // in flight. generation = how many collectives it started; no payload
+  kFinalizing = 7,  // the sender has begun to finalize and starts no collective but the finalize barrier;
+                    // generation = how many it started before; no payload
 };
-constexpr uint8_t kLastFrameKind = 6;
+constexpr uint8_t kLastFrameKind = 7;
 
 // Which collective algorithm produced the frame. Peers must agree; a mismatch is InvalidArgument.
 enum class Algo : uint8_t {

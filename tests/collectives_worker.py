@@ -538,12 +538,32 @@ def run_leave():
     os._exit(0)  # its own finalize would only find rank 0 gone
 
 
+def run_exit():
+    """Rank 1 leaves its loop with sys.exit(3) while the others start one more all-reduce: its finalize
+    tells them it will not join, so theirs fail at once naming it (not at the timeout, while it waited
+    in the finalize barrier). They then finalize too and meet it in that barrier."""
+    x = tf.ones([4])
+    kungfu.barrier(name="before-exit")
+    if kungfu.rank() == 1:
+        sys.exit(3)
+    start = time.perf_counter()
+    try:
+        kungfu.all_reduce(x, name="after-exit")
+        report = {"error": None}
+    except tf.errors.OpError as e:
+        report = {"error": type(e).__name__, "message": e.message.splitlines()[0]}
+    report["seconds"] = round(time.perf_counter() - start, 3)
+    print("KFEXIT " + json.dumps(report), flush=True)
+
+
 def main():
     kungfu.init()
     if sys.argv[1] == "checks":
         sys.exit(1 if run_checks() else 0)
     if sys.argv[1] == "leave":
         return run_leave()
+    if sys.argv[1] == "exit":
+        return run_exit()
     run_kill()
 
 

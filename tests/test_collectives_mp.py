@@ -69,3 +69,22 @@ def test_finalized_peer_is_named_as_having_left(tmp_path):
         assert r["error"] == "UnavailableError", f"rank {rank}: {r}"
         assert "(rank 0)" in r["message"] and "has left the cluster" in r["message"], f"rank {rank}: {r}"
         assert r["seconds"] < 2, f"rank {rank}: a collective after a peer left must fail at once: {r}"
+
+
+def test_worker_that_exits_early_fails_its_peers_at_once(tmp_path):
+    """sys.exit(3) on rank 1 while the others wait in a collective: they fail within seconds, not at the
+    60 s timeout, and kfrun exits with rank 1's code."""
+    start = time.monotonic()
+    code, out = launch(3, [WORKER, "exit"], tmp_path, timeout=60, budget=120)
+    reports = {}
+    for line in out.splitlines():
+        m = re.match(r"^\[(\d+)\] KFEXIT (.*)$", line)
+        if m:
+            reports[int(m.group(1))] = json.loads(m.group(2))
+    assert sorted(reports) == [0, 2], out[-4000:]
+    for rank, r in reports.items():
+        assert r["error"] == "UnavailableError", f"rank {rank}: {r}"
+        assert "(rank 1)" in r["message"] and "finalize" in r["message"], f"rank {rank}: {r}"
+        assert r["seconds"] < 10, f"rank {rank}: took {r['seconds']} s (the timeout is 60 s)"
+    assert code == 3, out[-4000:]
+    assert time.monotonic() - start < 50, out[-4000:]

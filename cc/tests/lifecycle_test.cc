@@ -293,6 +293,65 @@ TEST(Leave, LaterCollectiveFailsAtOnceNamingTheLeaver) {
   EXPECT_TRUE(secs < 10);  // not the 30 s timeout
 }
 
+// A worker that leaves its training loop early (sys.exit) finalizes: it announces that it starts no
+// collective but the finalize barrier, and waits in that barrier. Its peers, waiting in a collective it
+// never started, fail at once naming it (they used to wait out the timeout, as it did in the barrier),
+// whether they started that collective before the announcement arrived or after; np 3 is the star,
+// np 2 and 4 recursive doubling. Once they have failed and gone, the barrier fails at once too.
+TEST(Leave, FinalizingPeerFailsTheCollectivesItNeverStarted) {
+  for (int n : {2, 3, 4}) {
+    auto engines = StartCluster(n, [](EngineConfig& c) { c.timeout_seconds = 30; });
+    const auto t0 = std::chrono::steady_clock::now();
+    std::atomic<int> checked{0};  // the others leave only once all have failed (not on a closed connection)
+    RunRanks(n, [&](int r) {
+      float x = 1;
+      EXPECT_OK(engines[r]->AllReduceSync(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "step"));
+      if (r == 1) {
+        engines[r]->Finalizing();
+        Status s = engines[r]->AllReduceSync(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "kungfu/finalize");
+        EXPECT_EQ(CodeName(s.code()), CodeName(Code::kUnavailable));  // the others left without joining
+        engines[r].reset();
+        return;
+      }
+      if (r == 2) std::this_thread::sleep_for(std::chrono::milliseconds(200));  // starts after the news
+      Status s = engines[r]->AllReduceSync(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "step");
+      EXPECT_EQ(CodeName(s.code()), CodeName(Code::kUnavailable));
+      EXPECT_TRUE(s.message().find("rank 1") != std::string::npos);
+      EXPECT_TRUE(s.message().find("finalize") != std::string::npos);
+      ++checked;
+      while (checked.load() < n - 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      engines[r].reset();
+    });
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    EXPECT_TRUE(secs < 10);  // not the 30 s timeout
+  }
+}
+
+// No false alarm: a worker that finalizes while the others still finish collectives it has finished
+// (they are slow, or start them late) fails nobody, and every worker's barrier then succeeds.
+TEST(Leave, FinalizingPeerFailsNothingItTookPartIn) {
+  const int n = 3;
+  auto engines = StartCluster(n, [](EngineConfig& c) {
+    c.timeout_seconds = 20;
+    c.ring_threshold_bytes = 0;  // the ring: rank 0 can finish before rank 2 has what it needs
+    c.chunk_bytes = 1024;
+  });
+  RunRanks(n, [&](int r) {
+    std::vector<float> buf(30000, 1.f);
+    for (int step = 0; step < 3; ++step) {
+      if (r == 2) std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the slow one
+      EXPECT_OK(engines[r]->AllReduceSync(buf.data(), buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum,
+                                          "step"));
+    }
+    EXPECT_EQ(buf[0], 27.f);  // 1 -> 3 -> 9 -> 27
+    engines[r]->Finalizing();
+    float one = 1;
+    EXPECT_OK(engines[r]->AllReduceSync(&one, &one, 1, DType::kFloat32, ReduceOp::kSum, "kungfu/finalize"));
+    engines[r]->LeaveCleanly();
+    engines[r].reset();
+  });
+}
+
 TEST(Errors, StalledPeerIsDeadlineExceeded) {
   const int n = 2;
   auto engines = StartCluster(n, [](EngineConfig& c) { c.timeout_seconds = 0.5; });

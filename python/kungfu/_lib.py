@@ -60,6 +60,8 @@ def _declare(c):
     c.kungfu_stats.restype = ctypes.c_int
     c.kungfu_reset_stats.argtypes = []
     c.kungfu_reset_stats.restype = None
+    c.kungfu_finalizing.argtypes = []
+    c.kungfu_finalizing.restype = None
     c.kungfu_collective_stats.argtypes = [ctypes.c_int]
     c.kungfu_collective_stats.restype = ctypes.c_void_p  # malloc'ed text: read, then kungfu_free
     c.kungfu_free.argtypes = [ctypes.c_void_p]
@@ -176,7 +178,9 @@ def finalize():
 
 
 def _finalize_barrier():
-    """True when every worker reached finalize; logs a warning otherwise."""
+    """True when every worker reached finalize; logs a warning otherwise. Peers still waiting in a
+    collective that this worker never started (it left its loop early) fail at once (kungfu_finalizing)."""
+    _library.c.kungfu_finalizing()
     one, total = ctypes.c_int32(1), ctypes.c_int32(0)
     err = ctypes.create_string_buffer(_ERR_LEN)
     code = _library.c.kungfu_all_reduce(ctypes.byref(one), ctypes.byref(total), 1, _DTYPE_INT32, _OP_SUM,
