@@ -85,6 +85,15 @@ std::string RecordString(const int64_t* r) {
   return s + "]";
 }
 
+// When all that two records list agrees (dim 0 aside), what differs lies in the dimensions they do not
+// list: say so, or the message would show two shapes that look alike.
+std::string UnlistedHint(const int64_t* a, const int64_t* b) {
+  if (a[kRank] != b[kRank] || a[kDType] != b[kDType] || !std::equal(a + kListed, a + kRecordSize, b + kListed)) {
+    return "";
+  }
+  return " (they differ in a dimension after the first " + std::to_string(kListedDims + 1) + ")";
+}
+
 bool SameExceptDim0(const int64_t* a, const int64_t* b) {
   return a[kRank] == b[kRank] && a[kDType] == b[kDType] && a[kRestHash] == b[kRestHash] &&
          std::equal(a + kListed, a + kRecordSize, b + kListed);
@@ -133,7 +142,7 @@ class AllGatherOp : public CollectiveKernel {
                         absl::InvalidArgumentError(Describe("allgather", key) +
                                                    ": workers disagree on dtype or dimensions after the first: rank 0 "
                                                    "has " + RecordString(first) + ", rank " + std::to_string(r) +
-                                                   " has " + RecordString(rec)),
+                                                   " has " + RecordString(rec) + UnlistedHint(first, rec)),
                         done);
     }
     const int64_t row = RowElements(*input);

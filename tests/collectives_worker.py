@@ -313,6 +313,9 @@ def mismatches_fail_on_every_worker():
                                                        name="mm/dtype"), ["mm/dtype"]),
         "all_gather dims": (lambda: kungfu.all_gather(np.zeros([2, 4 if odd else 3], np.float32), name="mm/ag"),
                             ["mm/ag", "rank 1 has float[2,4]"]),
+        # Shapes that differ beyond the dimensions a message lists (eight after the first) say so.
+        "all_gather deep dims": (lambda: kungfu.all_gather(np.zeros([1] * 10 + [3 if odd else 2], np.float32),
+                                                           name="mm/agdeep"), ["after the first 9"]),
         "all_gather dtype": (lambda: kungfu.all_gather(np.zeros([2], np.int64 if odd else np.int32),
                                                        name="mm/agtype"), ["int64"]),
         "group in function": (lambda: group(tf.zeros([3 if odd else 2])), ["mm/group"]),
