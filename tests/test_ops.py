@@ -261,6 +261,14 @@ class SizeOneTest(tf.test.TestCase):
             # A graph traced before finalize reaches the kernel, which fails cleanly.
             with self.assertRaisesRegex(tf.errors.FailedPreconditionError, r"call kungfu.init\(\) first"):
                 f(x)
+
+            @tf.function
+            def traced_now(x):
+                return kungfu.all_reduce(x)
+
+            # Tracing one now raises the error of an eager call, not autograph's StagingError.
+            with self.assertRaisesRegex(errors.NotInitializedError, r"needs kungfu.init\(\) to be called first"):
+                traced_now(x)
         finally:
             kungfu.init()
         self.assertAllEqual(f(x), x)  # works again after a new init()

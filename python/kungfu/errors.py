@@ -32,13 +32,16 @@ _UNAVAILABLE = 14
 
 
 class KungFuError(Exception):
-    """Base of every kungfu error. `code` is the engine status code when one is known (else None)."""
+    """Base of every kungfu error. `code` is the engine status code when one is known (else None).
 
+    The constructor is Exception's own, taking the message, in every subclass too (the ones that also
+    derive from RuntimeError or ValueError included): TF's autograph rebuilds an error raised while a
+    tf.function is traced only when its type's __init__ is Exception.__init__, and otherwise puts its
+    StagingError in its place, so `except kungfu.errors.NotInitializedError` would miss it."""
+
+    __init__ = Exception.__init__
     recoverable = False
-
-    def __init__(self, message, code=None):
-        super().__init__(message)
-        self.code = code
+    code = None
 
 
 class NotInitializedError(KungFuError, RuntimeError):
@@ -96,7 +99,9 @@ def with_timeout_hint(code, message):
 
 def from_code(code, message):
     """The KungFuError for an engine status code (nonzero) and its message."""
-    return _BY_CODE.get(code, EngineError)(with_timeout_hint(code, message), code=code)
+    error = _BY_CODE.get(code, EngineError)(with_timeout_hint(code, message))
+    error.code = code
+    return error
 
 
 def from_tf_error(error):
