@@ -210,6 +210,8 @@ void Engine::Impl::BeginFinalize() {
   }
 }
 
+// Counts compare across workers, as for a goodbye, because every worker's engine lives as long as the
+// job (membership is fixed) and every collective involves every worker.
 Status Engine::Impl::NeverJoined(uint64_t id) const {
   // Collectives this worker starts after its own BeginFinalize are the barrier, which every peer joins.
   if (finalized_after_ >= 0 && static_cast<int64_t>(id) > finalized_after_) return Status::OK();
