@@ -519,6 +519,18 @@ def run_kill():
     print("KFKILL " + json.dumps(report), flush=True)
 
 
+def report_all_reduce(tag, x, name):
+    """Prints `tag {"error", "message", "seconds"}` for one all-reduce expected to fail."""
+    start = time.perf_counter()
+    try:
+        kungfu.all_reduce(x, name=name)
+        report = {"error": None}
+    except tf.errors.OpError as e:
+        report = {"error": type(e).__name__, "message": e.message.splitlines()[0]}
+    report["seconds"] = round(time.perf_counter() - start, 3)
+    print(f"{tag} " + json.dumps(report), flush=True)
+
+
 def run_leave():
     """Rank 0 calls kungfu.finalize(); the others take part in its barrier (the same call finalize makes)
     without leaving, then try one more collective: it must fail at once, naming rank 0 as having left
@@ -529,14 +541,7 @@ def run_leave():
         kungfu.finalize()
         return
     assert _lib._finalize_barrier(), "the finalize barrier failed"
-    start = time.perf_counter()
-    try:
-        kungfu.all_reduce(x, name="after-leave")
-        report = {"error": None}
-    except tf.errors.OpError as e:
-        report = {"error": type(e).__name__, "message": e.message.splitlines()[0]}
-    report["seconds"] = round(time.perf_counter() - start, 3)
-    print("KFLEAVE " + json.dumps(report), flush=True)
+    report_all_reduce("KFLEAVE", x, "after-leave")
     time.sleep(1)  # let the other stayer report before this one's exit closes its connections
     os._exit(0)  # its own finalize would only find rank 0 gone
 
@@ -549,14 +554,7 @@ def run_exit():
     kungfu.barrier(name="before-exit")
     if kungfu.rank() == 1:
         sys.exit(3)
-    start = time.perf_counter()
-    try:
-        kungfu.all_reduce(x, name="after-exit")
-        report = {"error": None}
-    except tf.errors.OpError as e:
-        report = {"error": type(e).__name__, "message": e.message.splitlines()[0]}
-    report["seconds"] = round(time.perf_counter() - start, 3)
-    print("KFEXIT " + json.dumps(report), flush=True)
+    report_all_reduce("KFEXIT", x, "after-exit")
 
 
 def main():
