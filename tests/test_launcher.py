@@ -253,6 +253,26 @@ def test_plan_starts_at_a_random_port_and_wraps_around():
         assert len(set(ports[:3])) == 3 and len(set(ports[3:])) == 2  # distinct on each host
 
 
+def test_a_port_is_free_again_once_its_job_ended():
+    """A port that a job's engine listened on stays in TIME_WAIT for a minute after the job; the engine
+    binds with SO_REUSEADDR, so the next job may take it (tests run one job after another in one range)."""
+    import socket
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        port = listener.getsockname()[1]
+        assert not plan.port_is_free(port)  # listening: taken
+        with socket.create_connection(("127.0.0.1", port)) as client:
+            served, _ = listener.accept()
+            served.close()  # the listening side closes first: its end of the connection goes to TIME_WAIT
+            client.recv(1)
+    with open("/proc/net/tcp") as table:  # local address "0100007F:PORT", state 06 is TIME_WAIT
+        states = [line.split()[3] for line in table.readlines()[1:] if line.split()[1].endswith(f":{port:04X}")]
+    assert "06" in states, states
+    assert plan.port_is_free(port)
+
+
 def test_init_errors_name_the_kfrun_flag_that_fixes_them():
     cluster = SimpleNamespace(rank=1, size=2)
     text = "listening as 127.0.0.1:25002 (rank 1): bind port 25002: Address already in use"

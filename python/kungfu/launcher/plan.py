@@ -46,8 +46,11 @@ def parse_port_range(text):
 
 
 def port_is_free(port):
-    """Binds without SO_REUSEADDR, so a port in use or in TIME_WAIT counts as taken."""
+    """Whether a worker's engine could listen on port now: binds it as the engine does, with SO_REUSEADDR,
+    so a port some socket listens on counts as taken, and one that only has closed connections in
+    TIME_WAIT (a job that just ended) counts as free."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("", port))
             return True
