@@ -116,3 +116,36 @@ def test_nested_function_keys_use_inner_function_name():
         return inner(x) + kungfu.all_reduce(x)
 
     assert keys_of(outer.get_concrete_function(tf.TensorSpec([2]))) == ["inner/all_reduce", "outer/all_reduce"]
+
+
+def test_xla_compiled_functions_are_refused_with_the_fix():
+    assert _naming._in_xla is not None, (
+        "tensorflow.python.ops.control_flow_util.GraphOrParentsInXlaContext is gone: kungfu/ops/_naming.py "
+        "can no longer refuse collectives in XLA-compiled functions with a clear message")
+
+    @tf.function(jit_compile=True)
+    def compiled(x):
+        return tf.cond(x[0] > 0, lambda: kungfu.all_reduce(x), lambda: x)
+
+    with pytest.raises(ValueError, match=r"tf.function 'compiled'.*jit_compile=False"):
+        compiled.get_concrete_function(tf.TensorSpec([2]))
+
+    @tf.function(jit_compile=True)
+    def named(x):
+        return kungfu.broadcast(x, name="weights")
+
+    with pytest.raises(ValueError, match=r"broadcast in tf.function 'named'.*no XLA kernels"):
+        named.get_concrete_function(tf.TensorSpec([2]))
+
+    @tf.function
+    def plain(x):
+        return tf.cond(x[0] > 0, lambda: kungfu.all_reduce(x), lambda: x)
+
+    assert keys_of(plain.get_concrete_function(tf.TensorSpec([2]))) == ["plain/cond/all_reduce"]
+
+    @tf.function(jit_compile=True)
+    def saves(x):
+        return kungfu.ops.save_variable(x, name="model")
+
+    with pytest.raises(ValueError, match=r"save_variable in tf.function 'saves'.*no XLA kernels"):
+        saves.get_concrete_function(tf.TensorSpec([2]))

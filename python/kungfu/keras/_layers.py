@@ -43,6 +43,7 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
                 "SyncBatchNormalization(synchronized=True): that flag synchronises through tf.distribute; "
                 "SyncBatchNormalization synchronises over the KungFu workers already: leave it out")
         super().__init__(*args, **kwargs)
+        self.supports_jit = False  # the all-reduce has no XLA kernel: model.compile's "auto" picks no XLA
 
     def _moments(self, inputs, mask):
         # inputs: float32 or float64 already (BatchNormalization.call casts half types up).

@@ -20,9 +20,13 @@ ops with no resource input one after another. Each call gets a fresh token tenso
 of one hidden variable's handle), so independent collectives are in flight together, and each
 still runs because it is stateful, even when its output is unused.
 
+XLA. The ops have no XLA kernels, so a collective traced in a function that XLA compiles
+(jit_compile=True, which Keras's model.compile picks by itself when a GPU is visible) is refused at
+trace time with the fix, rather than by a long tf2xla error at the first step.
+
 TF internals relied on (checked by tests/test_ops_naming.py, which fails clearly if an upgrade
-changes them): the class names of control-flow FuncGraphs, FuncGraph.outer_graph, and
-Graph.unique_name.
+changes them): the class names of control-flow FuncGraphs, FuncGraph.outer_graph,
+Graph.unique_name, and control_flow_util.GraphOrParentsInXlaContext (the check is skipped without it).
 """
 
 import collections
@@ -30,6 +34,11 @@ import threading
 import weakref
 
 import tensorflow as tf
+
+try:
+    from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _in_xla
+except ImportError:  # a TF without it: the raw XLA error stands (tests/test_ops_naming.py fails)
+    _in_xla = None
 
 # Graphs TF builds for control-flow bodies; their names carry a process-wide uid.
 CONTROL_FLOW_GRAPHS = frozenset({"WhileCondFuncGraph", "WhileBodyFuncGraph", "CondBranchFuncGraph"})
@@ -54,19 +63,31 @@ def collective_key(op, name, eager=None):
     eager: tf.executing_eagerly(), if the caller has it already."""
     if eager is None:
         eager = tf.executing_eagerly()
-    if name is not None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"{op}: name must be a non-empty string, got {name!r}")
-        if not eager:
-            _claim(tf.compat.v1.get_default_graph(), name, op)
-        return name
+    if name is not None and (not isinstance(name, str) or not name):
+        raise ValueError(f"{op}: name must be a non-empty string, got {name!r}")
     if eager:
+        if name is not None:
+            return name
         with _lock:
             n = _eager_counts[op]
             _eager_counts[op] += 1
         return f"eager/{op}/{n}"
     graph = tf.compat.v1.get_default_graph()
+    refuse_xla(graph, op)
+    if name is not None:
+        _claim(graph, name, op)
+        return name
     return f"{function_graph(graph).name}/{graph.unique_name(op)}"
+
+
+def refuse_xla(graph, op):
+    """Raises ValueError, with the fix, when graph is compiled by XLA; op names the caller."""
+    if _in_xla is not None and _in_xla(graph):
+        raise ValueError(
+            f"{op} in tf.function {function_graph(graph).name!r}: the function is compiled by XLA "
+            "(jit_compile=True), and KungFu's collectives have no XLA kernels. For model.fit, pass "
+            "model.compile(..., jit_compile=False): Keras turns XLA on by itself when a GPU is visible. "
+            "For your own tf.function, leave jit_compile out or set it to False.")
 
 
 def call_inputs(op, name):

@@ -35,6 +35,7 @@ def _key(name, what):
     if not isinstance(name, str) or not name or len(name.encode()) > _MAX_NAME_BYTES:
         raise ValueError(f"{what}: name must be a non-empty string of at most {_MAX_NAME_BYTES} bytes, got {name!r}")
     if not tf.executing_eagerly():
+        _naming.refuse_xla(tf.compat.v1.get_default_graph(), what)
         return name
     t = _eager_keys.get(name)
     if t is None:
