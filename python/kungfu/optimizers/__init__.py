@@ -10,12 +10,12 @@ step without retracing. See docs/training.md. monitor=["gns", "variance", "snr"]
 training monitors, read with kungfu.monitor.latest() (docs/monitoring.md).
 """
 
+from ._factory import DistributedOptimizer
+from ._factory import PairAveragingOptimizer
+from ._factory import SynchronousAveragingOptimizer
+from ._factory import SynchronousSGDOptimizer
 from ._wrapper import STRATEGIES
 from ._wrapper import DistributedMixin
-from ._wrapper import DistributedOptimizer
-from ._wrapper import PairAveragingOptimizer
-from ._wrapper import SynchronousAveragingOptimizer
-from ._wrapper import SynchronousSGDOptimizer
 
 __all__ = ["DistributedOptimizer", "SynchronousSGDOptimizer", "SynchronousAveragingOptimizer",
            "PairAveragingOptimizer", "DistributedMixin", "STRATEGIES"]

@@ -1,9 +1,9 @@
 """The distributed optimizer: any Keras 3 optimizer, with a synchronisation strategy that can change
 between any two steps.
 
-How it wraps. DistributedOptimizer(opt) makes a subclass of type(opt) with DistributedMixin in
-front and builds a new instance from opt.get_config() (as Horovod does; a learning-rate schedule or
-callable is handed over as is, see _rebuild): the result *is* an Adam (or
+How it wraps. DistributedOptimizer(opt) (_factory.py) makes a subclass of type(opt) with DistributedMixin
+in front and builds a new instance from opt.get_config() (as Horovod does; a learning-rate schedule or
+callable is handed over as is, see _factory._rebuild): the result *is* an Adam (or
 whatever opt was) to Keras, so model.compile, model.fit, checkpoints and learning-rate schedules
 work unchanged. The subclass keeps the base class's name and module, so a model saved with it loads
 with the plain base optimizer. Only build() and apply() are overridden; apply_gradients() goes through
@@ -39,13 +39,10 @@ import sys
 import tensorflow as tf
 
 from .. import _lib
-from .. import monitor as _monitor
-from ..ops import _compression
 from . import _averaging
 from . import _reduce
 
 STRATEGIES = ("ssgd", "sma", "pair_averaging")
-_classes = {}  # base optimizer class -> its distributed subclass
 
 
 def strategy_index(strategy):
@@ -315,94 +312,6 @@ def _refuse_loss_scale_outside(optimizer):
         frame = frame.f_back
 
 
-def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=None, sparse_as_dense=False,
-                         monitor=None, monitor_interval=1, local_batch_size=None, monitor_alpha=0.1,
-                         policies=None, dataset=None, compression=None):
-    """optimizer (any Keras 3 optimizer), distributed over the workers. A used one, e.g. the optimizer
-    keras.models.load_model restored (kungfu.keras.load_model does this), hands its state (step count,
-    learning rate, slots) to the wrapper when the wrapper is built over the same model's variables.
-
-    strategy: "ssgd", "sma" or "pair_averaging"; change it later with .strategy = ... or
-    .set_strategy(...). alpha: SMA's step toward the average, in (0, 1]. fusion_bytes: size of the
-    gradient buckets (default 4 MiB; 0: one collective per gradient). sparse_as_dense: all-reduce
-    IndexedSlices gradients as dense tensors instead of all-gathering them. compression: None or "fp16",
-    which sends S-SGD's dense float32/float64 gradients as float16 (half the bytes; see
-    kungfu/ops/_compression.py). An optimizer made with gradient_accumulation_steps=N (Keras's own
-    argument) exchanges once per update, every N steps, unless monitors are on (docs/training.md).
-    monitor: None or a list from "gns", "variance", "snr", computed in S-SGD steps every
-    monitor_interval steps; read them with kungfu.monitor.latest(). local_batch_size: this worker's
-    batch size (an int, or a tf.Variable to follow; or .set_local_batch_size(n) later), needed by
-    "gns" and "snr", and for samples_per_sec. monitor_alpha: the EMA weight of a new gradient noise
-    scale estimate, in (0, 1] (smaller: smoother, slower to follow). See docs/monitoring.md.
-    policies: None or a list of compilable kungfu.policies, compiled into every step after the update
-    (as kungfu.rewrite(fn, policies=...) does): they read this optimizer's monitors and assign its
-    learning rate and strategy, and the batch size of dataset= (a kungfu.data.AdaptiveDataset).
-    See docs/policies.md.
-    """
-    import keras
-
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
-        raise TypeError(f"expected a Keras optimizer (keras.optimizers.Optimizer), got {type(optimizer).__name__}")
-    if isinstance(optimizer, DistributedMixin):
-        raise ValueError(f"{optimizer.name} is already a kungfu distributed optimizer; wrap the plain optimizer once")
-    strategy_index(strategy)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
-        raise ValueError(f"alpha must be a number in (0, 1], got {alpha!r}")
-    fusion_bytes = _reduce.check_fusion_bytes(fusion_bytes)
-    compression = _compression.check(compression, "DistributedOptimizer")
-    names, monitor_interval = _monitor.check_arguments(monitor, monitor_interval, local_batch_size, monitor_alpha)
-    base = type(optimizer)
-    cls = _classes.get(base)
-    if cls is None:
-        # Same name and module as the base: Keras serializes the optimizer as the base class.
-        cls = type(base.__name__, (DistributedMixin, base), {"__module__": base.__module__,
-                                                              "__qualname__": base.__qualname__})
-        _classes[base] = cls
-    wrapped = _rebuild(optimizer, cls)
-    wrapped._kungfu = _Settings(strategy, float(alpha), fusion_bytes, bool(sparse_as_dense), compression)
-    if optimizer.built:  # a used optimizer (e.g. one keras.models.load_model restored): keep its state
-        wrapped._kungfu.state_from = list(optimizer.variables)
-    if monitor is not None:
-        wrapped._kungfu.monitors = _monitor.Monitors(names, monitor_interval, local_batch_size, wrapped.name,
-                                                     monitor_alpha)
-        if isinstance(wrapped, keras.optimizers.LossScaleOptimizer):  # apply() gets scaled gradients
-            wrapped._kungfu.monitors.loss_scale = lambda: (wrapped.dynamic_scale if wrapped.built  # as
-                                                           else wrapped.initial_scale)  # scale_loss reads it
-    if policies is not None:
-        from .._policy.controls import Controls
-        from .._policy.graph import CompiledPolicies
-
-        controls = Controls("DistributedOptimizer", optimizer=wrapped, dataset=dataset,
-                            monitors=wrapped._kungfu.monitors)
-        wrapped._kungfu.policies = CompiledPolicies(policies, controls, "optimizer", "DistributedOptimizer")
-    elif dataset is not None:
-        raise ValueError("DistributedOptimizer: dataset= is for policies=[...]")
-    return wrapped
-
-
-def _rebuild(optimizer, cls):
-    """A new cls with optimizer's settings: its get_config(), except that a learning-rate schedule or
-    callable is passed as the object itself (a config cannot always rebuild it: an unregistered schedule
-    class, a lambda), a LossScaleOptimizer's inner optimizer is rebuilt the same way, and AdamW's (or any
-    optimizer's) exclude_from_weight_decay() choices, which the config lacks, are kept."""
-    import keras
-
-    config = optimizer.get_config()
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        config.pop("inner_optimizer")
-        inner = optimizer.inner_optimizer
-        new = cls(_rebuild(inner, type(inner)), **config)
-    else:
-        lr = getattr(optimizer, "_learning_rate", None)
-        if lr is not None and not isinstance(lr, keras.Variable):
-            config["learning_rate"] = lr
-        new = cls.from_config(config)
-    for attr in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
-        if attr in vars(optimizer):
-            setattr(new, attr, getattr(optimizer, attr))
-    return new
-
-
 def _copy_state(source, wrapped):
     """Assigns a used optimizer's variables (step count, learning rate, slots) to the wrapper's, just
     built over the same model variables: both lists come in the order the base class creates them."""
@@ -419,25 +328,3 @@ def _copy_state(source, wrapped):
     with tf.init_scope():  # once, eagerly, even when the first step's trace builds the optimizer
         for a, b in zip(source, target):
             b.assign(a.value)
-
-
-def SynchronousSGDOptimizer(optimizer, fusion_bytes=None, sparse_as_dense=False, compression=None, **monitors):
-    """Synchronous SGD: every step applies the mean of all workers' gradients (all-reduce).
-    compression="fp16" sends the gradients as float16. monitors: monitor=, monitor_interval=,
-    local_batch_size=, monitor_alpha=, policies=, dataset=, as for DistributedOptimizer."""
-    return DistributedOptimizer(optimizer, "ssgd", fusion_bytes=fusion_bytes, sparse_as_dense=sparse_as_dense,
-                                compression=compression, **monitors)
-
-
-def SynchronousAveragingOptimizer(optimizer, alpha=0.1, fusion_bytes=None, **monitors):
-    """Synchronous model averaging: every step each worker moves its model a fraction alpha toward
-    the workers' average model, then applies its own gradients. monitors: as for
-    DistributedOptimizer; they are computed only in S-SGD steps (after a switch to "ssgd")."""
-    return DistributedOptimizer(optimizer, "sma", alpha=alpha, fusion_bytes=fusion_bytes, **monitors)
-
-
-def PairAveragingOptimizer(optimizer, fusion_bytes=None, **monitors):
-    """Asynchronous decentralised SGD (AD-PSGD): every step each worker averages its model with that
-    of one random peer, fetched from the peer's model store without waiting for the peer. monitors:
-    as for DistributedOptimizer; computed only in S-SGD steps."""
-    return DistributedOptimizer(optimizer, "pair_averaging", fusion_bytes=fusion_bytes, **monitors)
