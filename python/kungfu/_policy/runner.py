@@ -80,6 +80,8 @@ class PolicyRunner:
         self._key = f"kungfu/policy/{name if name is not None else next(_ids)}"
 
     def before_train(self, logs=None):
+        """Starts a training run: a stop asked for in an earlier run is forgotten (steps and epochs go on)."""
+        self.stopped = False
         self._run("before_train", logs)
 
     def before_epoch(self, epoch=None, logs=None):

@@ -98,6 +98,13 @@ class DistributedMixin:
         return self._kungfu.strategy
 
     @property
+    def policy_stopped(self):
+        """Whether a policy compiled into this optimizer (policies=[...]) called ctx.stop(); False without
+        policies. model.fit stops on it when a kungfu.keras.PolicyCallback is among its callbacks."""
+        policies = self._kungfu.policies
+        return policies is not None and bool(policies.stop_flag.numpy())
+
+    @property
     def sma_alpha(self):
         return self._kungfu.alpha
 

@@ -20,6 +20,10 @@ class PolicyCallback(keras.callbacks.Callback):
     metrics come from when not the optimizer's. The step's logs (loss, metrics) join ctx.metrics,
     averaged over the workers. A policy's ctx.stop() stops model.fit after that step (or epoch); from
     before_train, before_epoch or before_step, after one more step (Keras reads stop_training only then).
+    It also stops model.fit when a policy compiled into the optimizer (DistributedOptimizer(...,
+    policies=[...])) calls ctx.stop(): add PolicyCallback([]) to fit's callbacks for that alone.
+    Given to a later fit, it goes on counting steps and epochs (a fit that starts again from epoch 0
+    continues from the epochs done), and a stop asked for in an earlier fit is forgotten.
     .runner is the kungfu.PolicyRunner doing the work (its .history and summary() tell what changed).
     Batch-end hooks are overridden, so Keras dispatches steps synchronously (the callback needs the logs).
     The model must be compiled with steps_per_execution=1 (the default); fit raises ValueError otherwise.
@@ -33,6 +37,7 @@ class PolicyCallback(keras.callbacks.Callback):
 
         _policies.base.check_policies(policies, "PolicyCallback")
         self.runner = None
+        self._epoch_offset = None  # added to Keras's epoch numbers in this fit
 
     def _runner(self):
         if self.runner is None:
@@ -42,8 +47,15 @@ class PolicyCallback(keras.callbacks.Callback):
             self.runner = PolicyRunner(a.pop("policies"), **a)
         return self.runner
 
+    def _compiled_stop_flag(self):
+        """The stop flag of the policies compiled into the runner's optimizer, or None."""
+        settings = getattr(self.runner.controls.optimizer, "_kungfu", None)
+        policies = getattr(settings, "policies", None)
+        return policies.stop_flag if policies is not None else None
+
     def _stop_if_asked(self):
-        if self.runner.stopped:
+        flag = self._compiled_stop_flag()
+        if self.runner.stopped or (flag is not None and bool(flag.numpy())):
             self.model.stop_training = True
 
     def on_train_begin(self, logs=None):
@@ -51,11 +63,19 @@ class PolicyCallback(keras.callbacks.Callback):
             raise ValueError("kungfu.keras.PolicyCallback: compile the model with steps_per_execution=1: with "
                              "more, fit calls back only once per group of steps, so the policies would "
                              "count steps wrong and could act only between groups")
-        self._runner().before_train(logs)
+        self._epoch_offset = None
+        runner = self._runner()
+        flag = self._compiled_stop_flag()
+        if flag is not None:
+            flag.assign(False)  # a new fit: an earlier fit's stop is done with
+        runner.before_train(logs)
         self._stop_if_asked()
 
     def on_epoch_begin(self, epoch, logs=None):
-        self._runner().before_epoch(epoch, logs)
+        runner = self._runner()
+        if self._epoch_offset is None:  # this fit's first epoch: one that starts again from 0 goes on counting
+            self._epoch_offset = max(0, runner.epoch - epoch)
+        runner.before_epoch(epoch + self._epoch_offset, logs)
 
     def on_train_batch_begin(self, batch, logs=None):
         self._runner().before_step()
