@@ -235,9 +235,36 @@ def test_gradient_count_differing_from_updates_raises():
         scale.assign_add(1.0)
         return loss
 
-    with pytest.raises(ValueError, match=r"kungfu.rewrite\(step\): found 4 gradient\(s\) but 5 trainable-variable "
-                                         r"update\(s\):\n  - scale is updated \(AssignAddVariableOp"):
+    with pytest.raises(ValueError, match=r"kungfu.rewrite\(step\): found 4 gradient\(s\) for 5 updated trainable "
+                                         r"variable\(s\):\n  - scale is updated \(AssignAddVariableOp"):
         kungfu.rewrite(step)(*batch("mlp"))
+
+
+def test_an_update_from_local_data_beside_the_gradient_step_raises():
+    v = tf.Variable(tf.ones((3, 1)), name="v")
+    opt = keras.optimizers.AdamW(0.1, weight_decay=0.01)  # its decay is an update without a gradient: fine
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((x @ v - y) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
+        v.assign_add(0.01 * tf.reduce_mean(x) * tf.ones_like(v))  # each worker's own x: no average
+        return loss
+
+    with pytest.raises(ValueError, match=r"v is also updated \(AssignAddVariableOp '[^']+'\) from this worker's data "
+                                         r"without a gradient"):
+        kungfu.rewrite(step)(tf.ones((4, 3)), tf.ones((4, 1)))
+
+    @tf.function
+    def decayed(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((x @ v - y) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, [v]), [v]))
+        v.assign(v * 0.99)  # from the variable alone: the same on every worker
+        return loss
+
+    assert kf_ops(kungfu.rewrite(decayed).get_concrete_function(tf.ones((4, 3)), tf.ones((4, 1))))
 
 
 def test_one_gradient_applied_to_two_variables_raises():
@@ -251,7 +278,7 @@ def test_one_gradient_applied_to_two_variables_raises():
         (g,) = tape.gradient(loss, [a])
         opt.apply_gradients([(g, a), (g, b)])
 
-    with pytest.raises(ValueError, match=r"(?s)found 1 gradient\(s\) but 2 .*feeds the updates of 2 variables: a, b"):
+    with pytest.raises(ValueError, match=r"(?s)found 1 gradient\(s\) for 2 .*feeds the updates of 2 variables: a, b"):
         kungfu.rewrite(step)(tf.ones([3]))
 
 

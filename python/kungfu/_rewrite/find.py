@@ -59,7 +59,8 @@ def find_gradients(cf, what):
     read = set().union(*(w[2] for w in walks.values()))
     found = {ph: (floats, ints) for ph, (floats, ints, _, _) in walks.items() if floats or ints or ph not in read}
     updated = {ph: ws for ph, ws in updated.items() if ph in found}
-    _check_one_per_variable(what, found, updated, trainable)
+    local = _local_data_writes(cf, ops, updated, boundary, trainable, writes)
+    _check_one_per_variable(what, found, updated, trainable, local)
     order = {op.name: i for i, op in enumerate(ops)}
     sites = []
     for ph, (floats, ints) in found.items():
@@ -142,6 +143,48 @@ def _gradients_of(update_ops, boundary, trainable, writes):
     return list(floats.values()), list(ints.values()), reads, list(collectives.values())
 
 
+def _local_data_writes(cf, ops, updated, boundary, trainable, writes):
+    """{placeholder: writes} of the variables that have a gradient and also another update with none
+    that depends on the step's data (its arguments or an iterator it pulls): an update such as
+    v.assign_add(f(x)) after the gradient step, which the rewrite cannot average, so that the workers'
+    copies of v would drift apart. Updates with no gradient from the variables alone (weight decay,
+    an average of the weights) are the same on every worker and are left alone."""
+    data = {t.op.name for t in conv.split_inputs(cf)[0]} | {op.name for op in ops if op.type in _ITERATOR_OPS}
+    local = {}
+    for ph, ws in updated.items():
+        if len(ws) < 2:
+            continue  # its one update has a gradient, or _check_one_per_variable says it has none
+        for w in ws:
+            if not _gradients_of([w], boundary, trainable, writes)[0] and _reaches(w, data, boundary, trainable,
+                                                                                  writes):
+                local.setdefault(ph, []).append(w)
+    return local
+
+
+_ITERATOR_OPS = frozenset({"IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional"})
+
+
+def _reaches(op, data, boundary, trainable, writes):
+    """Whether op's data inputs depend on an op named in data, other than through a gradient tensor or a
+    trainable variable's value (followed through optimizer state, as _gradients_of does)."""
+    stack = [t for t in op.inputs if t.dtype != tf.resource]
+    seen = set()
+    while stack:
+        t = stack.pop()
+        if t.name in seen or t.name in boundary:
+            continue
+        seen.add(t.name)
+        if t.op.name in data:
+            return True
+        if t.op.type == "ReadVariableOp":
+            root = _resource_root(t.op.inputs[0])
+            if root not in trainable:
+                stack.extend(i for w in writes.get(root, []) for i in w.inputs if i.dtype != tf.resource)
+        else:
+            stack.extend(i for i in t.op.inputs if i.dtype != tf.resource)
+    return False
+
+
 def _check_not_distributed(what, collectives, trainable, graph):
     """Raises ValueError when an update already takes its gradient through a KungFu collective, in the
     graph or in a function an op on the way calls (the optimizer wrappers all-reduce inside a tf.switch_case):
@@ -188,13 +231,17 @@ _FIX = ("kungfu.rewrite needs a step that computes gradients with tf.GradientTap
         "trainable variables, one gradient per variable (opt.apply_gradients(zip(grads, variables)))")
 
 
-def _check_one_per_variable(what, found, updated, trainable):
+def _check_one_per_variable(what, found, updated, trainable, local):
     problems, owners = [], {}
     for ph, (floats, ints) in found.items():
         name = conv.variable_name(trainable[ph])
         ops = ", ".join(f"{w.type} '{w.name}'" for w in updated[ph])
         if not floats:
             problems.append(f"{name} is updated ({ops}) from no gradient")
+        elif ph in local:
+            said = ", ".join(f"{w.type} '{w.name}'" for w in local[ph])
+            problems.append(f"{name} is also updated ({said}) from this worker's data without a gradient, which "
+                            "the rewrite cannot average: the workers' copies would drift apart")
         elif len(floats) > 1:
             problems.append(f"{name} is updated from {len(floats)} gradient tensors: "
                             f"{', '.join(sorted(t.name for t in floats))}")
@@ -206,7 +253,8 @@ def _check_one_per_variable(what, found, updated, trainable):
     problems += [f"gradient {t} feeds the updates of {len(names)} variables: {', '.join(sorted(names))}"
                  for t, names in sorted(owners.items()) if len(names) > 1]
     if problems:
-        raise ValueError(f"{what}: found {len(owners)} gradient(s) but {len(updated)} trainable-variable update(s):\n"
+        raise ValueError(f"{what}: found {len(owners)} gradient(s) for {len(updated)} updated trainable "
+                         "variable(s):\n"
                          + "".join(f"  - {p}\n" for p in problems)
                          + f"{_FIX}; update other variables only if they are created with trainable=False.")
 
