@@ -412,6 +412,27 @@ def test_policies_compiled_into_the_optimizer_switch_strategy_and_rate_in_fit():
         optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1), policies=[Recorder()])
 
 
+class LowerRateUnderSma(BasePolicy):
+    compilable = True
+
+    def after_step(self, ctx):
+        ctx.set_learning_rate(0.01, when=ctx.strategy == "sma")
+        ctx.set_learning_rate(0.02, when=ctx.math.all(ctx.strategy != "sma", ctx.is_strategy("ssgd")))
+        ctx.set_strategy(ctx.strategy)  # a reading given back as is keeps the strategy
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("strategy, rate", [("sma", 0.01), ("ssgd", 0.02)])
+def test_a_compiled_policy_compares_the_strategy_with_a_name_as_the_hook_does(compiled, strategy, rate):
+    model, x, y = model_and_data()
+    kw = {"policies": [LowerRateUnderSma()]} if compiled else {}
+    opt = optimizers.DistributedOptimizer(keras.optimizers.SGD(0.1), strategy=strategy, **kw)
+    model.compile(optimizer=opt, loss="mse")
+    callbacks = [] if compiled else [kungfu.keras.PolicyCallback([LowerRateUnderSma()])]
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=callbacks)
+    assert float(opt.learning_rate.numpy()) == pytest.approx(rate) and opt.strategy == strategy
+
+
 class SetRate(BasePolicy):
     compilable = True
 

@@ -151,6 +151,38 @@ class _Metrics(dict):
             return default
 
 
+class _Strategy:
+    """ctx.strategy in the graph: the strategy's index in STRATEGIES (.index, a float64 tensor), which
+    compares with a name as the Python reading does (ctx.strategy == "sma" is a bool tensor) and converts
+    to that index where a tensor is expected."""
+
+    __hash__ = None
+
+    def __init__(self, index):
+        self.index = index
+
+    def __eq__(self, other):
+        return tf.equal(self.index, _strategy_index(other))
+
+    def __ne__(self, other):
+        return tf.logical_not(self == other)
+
+    def __repr__(self):
+        return f"<strategy index {self.index!r}>"
+
+
+def _strategy_index(strategy):
+    if isinstance(strategy, _Strategy):
+        return strategy.index
+    if isinstance(strategy, str):
+        return tf.constant(float(STRATEGIES.index(strategy_name(strategy))), F)
+    return tf.cast(strategy, F)
+
+
+tf.register_tensor_conversion_function(_Strategy, lambda value, dtype=None, name=None, as_ref=False: (
+    tf.cast(value.index, dtype) if dtype is not None else value.index))
+
+
 class GraphContext:
     """The Context of a compiled policy's after_step: readings are tensors, actions assign variables."""
 
@@ -166,7 +198,7 @@ class GraphContext:
         self.local_batch_size = None if self.batch_size is None else self.batch_size / self.cluster_size
         self.learning_rate = (tf.cast(_read(c.learning_rate_variable()), F)
                               if c.optimizer is not None and _lr_settable(c) else None)
-        self.strategy = (tf.cast(c.optimizer.strategy_variable.read_value(), F)
+        self.strategy = (_Strategy(tf.cast(c.optimizer.strategy_variable.read_value(), F))
                          if c.optimizer is not None and is_distributed(c.optimizer) else None)
         m = c.monitors
         values, local = {}, {}
@@ -204,7 +236,7 @@ class GraphContext:
         if self.strategy is None:  # unknown, as in the Python Context
             strategy_name(name)
             return tf.constant(False)
-        return tf.equal(self.strategy, float(STRATEGIES.index(strategy_name(name))))
+        return self.strategy == strategy_name(name)
 
     def set_batch_size(self, n, when=True):
         var = self._controls.batch_size_target().batch_size_variable
@@ -226,10 +258,9 @@ class GraphContext:
 
     def set_strategy(self, strategy, when=True):
         var = self._controls.strategy_target().strategy_variable
-        idx = tf.cast(STRATEGIES.index(strategy_name(strategy)) if isinstance(strategy, str) else strategy, F)
-        new = tf.where(tf.cast(when, tf.bool), idx, tf.cast(_read(var), F))
+        new = tf.where(tf.cast(when, tf.bool), _strategy_index(strategy), tf.cast(_read(var), F))
         var.assign(tf.cast(new, var.dtype))
-        self.strategy = new
+        self.strategy = _Strategy(new)
 
     def stop(self, when=True):
         flag = self._compiled.stop_flag
