@@ -102,14 +102,12 @@ class AllReduceStar : public AllReduceOp {
  private:
   FrameHeader Header(uint32_t tag) const { return MakeFrame(Shape(), tag, 0, static_cast<uint64_t>(bytes_)); }
 
-  // Root: all contributions are in. Apply the mean, narrow half types, send the result out.
+  // Root: all contributions are in. Narrow half types, apply the mean, send the result out. The mean
+  // divides the sum once rounded to the element type, as every other algorithm does, so a float16 mean
+  // overflows when its sum does whatever the algorithm (dividing the float32 sum first would not).
   void Finish(OpContext* ctx) {
-    if (IsHalf(dtype_)) {
-      if (op_ == ReduceOp::kMean) DivideBy(acc_.data(), count_, DType::kFloat32, n_);
-      NarrowHalf(acc_.data(), out_, count_, dtype_);
-    } else if (op_ == ReduceOp::kMean) {
-      DivideBy(out_, count_, dtype_, n_);
-    }
+    if (IsHalf(dtype_)) NarrowHalf(acc_.data(), out_, count_, dtype_);
+    if (op_ == ReduceOp::kMean) DivideBy(out_, count_, dtype_, n_);
     for (int d = 1; d < n_; ++d) ctx->Send(this, d, Header(1), out_);
     got_result_ = true;
   }

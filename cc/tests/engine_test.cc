@@ -1,5 +1,6 @@
 // Engine tests: N ranks as threads in one process over loopback, np 1 to 4 (and 8), sizes including 0 and 1.
-// Values, algorithms, mismatches and concurrency; peers leaving, dying or stalling are in lifecycle_test.cc.
+// Values, algorithms, mismatches and concurrency; peers leaving, dying or stalling are in lifecycle_test.cc;
+// edge values (NaN, signed zeros, half-type overflow) in edge_values_test.cc.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -115,44 +116,6 @@ TEST(AllReduce, RingExactAllTypesNp2To4SmallPieces) {
 TEST(AllReduce, HalvingExactAllTypesNp4And8) {
   // Threshold 0 and 1 MiB pieces: every size from n elements on runs halving-doubling (odd splits too).
   for (int n : {4, 8}) SweepAllReduce(n, 0, 1 << 20);
-}
-
-// min and max over a NaN on one worker and over -0 against +0 give the same bits on every worker, by
-// every algorithm: recursive doubling reduces with the operands swapped on the two partners.
-TEST(AllReduce, MinMaxOfNaNAndSignedZeroAgreeEverywhere) {
-  for (int n = 2; n <= 4; ++n) {
-    for (int64_t threshold : {int64_t{1} << 26, int64_t{0}}) {  // doubling or star; halving or ring
-      auto engines = StartCluster(n, [&](EngineConfig& c) { c.ring_threshold_bytes = threshold; });
-      const int64_t count = 4 * n;  // enough for the ring and halving-doubling to give everyone a piece
-      std::vector<std::vector<float>> results(n);
-      RunRanks(n, [&](int r) {
-        for (ReduceOp op : {ReduceOp::kMin, ReduceOp::kMax}) {
-          std::vector<float> in(count, static_cast<float>(r)), out(count);
-          for (int64_t i = 0; i < count; i += 4) {
-            in[i] = r == 0 ? std::numeric_limits<float>::quiet_NaN() : 1.0f;  // a NaN on rank 0 only
-            in[i + 1] = r == 0 ? -0.0f : 0.0f;                                 // -0 on rank 0, +0 elsewhere
-            in[i + 2] = r == 1 ? -0.0f : 0.0f;
-            in[i + 3] = r == n - 1 ? std::numeric_limits<float>::quiet_NaN() : -0.0f;
-          }
-          const std::string name = std::string(ReduceOpName(op)) + "/signs";
-          ASSERT_OK(engines[r]->AllReduceSync(in.data(), out.data(), count, DType::kFloat32, op, name));
-          auto show = [](float v) {
-            return std::isnan(v) ? std::string("nan") : v != 0 ? std::to_string(v) : std::signbit(v) ? "-0" : "+0";
-          };
-          const std::string zero = op == ReduceOp::kMin ? "-0" : "+0";  // min(-0, +0) = -0, max(-0, +0) = +0
-          for (int64_t i = 0; i < count; i += 4) {
-            const std::string where = name + " rank " + std::to_string(r) + " of " + std::to_string(n) + ": ";
-            EXPECT_EQ(where + show(out[i]) + " " + show(out[i + 1]) + " " + show(out[i + 2]) + " " + show(out[i + 3]),
-                      where + "nan " + zero + " " + zero + " nan");
-          }
-          if (op == ReduceOp::kMax) results[r] = out;
-        }
-      });
-      for (int r = 1; r < n; ++r) {  // the same NaN too
-        EXPECT_EQ(std::memcmp(results[0].data(), results[r].data(), count * sizeof(float)), 0);
-      }
-    }
-  }
 }
 
 // An in-place float32 sum of count elements on n workers, reps times under one name, checked exactly.
