@@ -284,7 +284,13 @@ def test_a_policy_that_raises_gives_a_policy_error_naming_it():
     with pytest.raises(PolicyError, match=r"policy Broken raised in after_step at step 1: ZeroDivisionError: "
                                           r"no data, on rank 0") as info:
         runner.after_step()
-    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    assert isinstance(info.value.__cause__, ZeroDivisionError) and info.value.original is info.value.__cause__
+
+    model, x, y = model_and_data()
+    model.compile(optimizer="sgd", loss="mse")
+    with pytest.raises(PolicyError, match="policy Broken raised") as info:  # Keras filters the traceback
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[kungfu.keras.PolicyCallback([Broken()])])
+    assert isinstance(info.value.original, ZeroDivisionError)
 
 
 def test_decisions_the_controls_cannot_carry_out_are_clear_errors():
@@ -333,7 +339,19 @@ def test_a_compiled_policy_reading_what_the_graph_lacks_names_it():
     model, x, y = model_and_data()
     opt = keras.optimizers.SGD(0.1)
     step = kungfu.rewrite(step_fn(model, opt), policies=[ReadsLoss()], optimizer=opt)
-    with pytest.raises(KeyError, match="'loss' is not available to a policy compiled into the graph"):
+    with pytest.raises(KeyError, match="policy ReadsLoss, compiled into the graph: 'loss' is not available to a "
+                                       "policy compiled into the graph .*the step's loss and logs are not in the graph"):
+        step(x, y)
+
+    class Branches(BasePolicy):
+        compilable = True
+
+        def after_step(self, ctx):
+            if ctx.step == 5:
+                ctx.set_learning_rate(0.01)
+
+    step = kungfu.rewrite(step_fn(model, opt), policies=[Branches()], optimizer=opt)
+    with pytest.raises(TypeError, match="policy Branches, compiled into the graph: .*must be branch-free"):
         step(x, y)
 
 

@@ -77,8 +77,11 @@ class EngineError(KungFuError):
 class PolicyError(KungFuError):
     """An adaptation policy raised in one of its hooks (on any worker: every worker raises it), or a
     decision cannot be applied (e.g. set_batch_size with no adaptive dataset). The message names the
-    policy, the hook, the step and the rank; on the worker where the policy raised, __cause__ is the
-    original exception."""
+    policy, the hook, the step and the rank; on the worker where the policy raised, __cause__ and
+    .original are the original exception (None elsewhere). Keras's traceback filtering drops __cause__
+    of an error raised through model.fit; .original stays."""
+
+    original = None
 
 
 _BY_CODE = {

@@ -124,6 +124,9 @@ class GraphState:
             var.assign(tf.where(tf.cast(when, tf.bool), tf.cast(value, var.dtype), var.read_value()))
 
 
+_MONITORED = frozenset({"gns", "grad_variance", "snr"})
+
+
 class _Metrics(dict):
     """ctx.metrics in the graph: the monitors' values, and the mean step time / throughput on demand."""
 
@@ -140,8 +143,10 @@ class _Metrics(dict):
             v = tf.cast(self._local[name](), F)
             self[name] = v if _lib.size() == 1 else all_reduce(v, op="mean", name=f"{self._key}/{name}")
             return self[name]
-        raise KeyError(f"{name!r} is not available to a policy compiled into the graph (it has: "
-                       f"{', '.join(sorted(set(self) | set(self._local)))}); monitor it (monitors=[...]) "
+        has = ", ".join(sorted(set(self) | set(self._local))) or "nothing"
+        fix = ("turn its monitor on (monitor=[...])" if name in _MONITORED else
+               "the step's loss and logs are not in the graph (its outputs are yours)")
+        raise KeyError(f"{name!r} is not available to a policy compiled into the graph (it has: {has}); {fix}, "
                        "or run the policy as a Python hook (PolicyRunner, PolicyCallback)")
 
     def get(self, name, default=None):
@@ -278,6 +283,19 @@ def _lr_settable(controls):
         return False
 
 
+def _naming_the_policy(error, policy):
+    """error (a KeyError or TypeError from a compiled policy's trace), of the same type, naming the policy."""
+    said = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    if isinstance(error, tf.errors.OperatorNotAllowedInGraphError):
+        said += (" -- a compiled policy's after_step must be branch-free: no Python if, while or bool() on a "
+                 "reading; use when= on the actions and ctx.math (docs/policies.md), or set compilable = False "
+                 "and run it as a Python hook")
+    try:
+        return type(error)(f"policy {policy.name}, compiled into the graph: {said}")
+    except TypeError:  # an exception class with another constructor: keep it as it is
+        return error
+
+
 class CompiledPolicies:
     """The policies of one kungfu.rewrite call (or one DistributedOptimizer), compiled into its step;
     shared by all its traces. label: names their collectives together with a per-label count (so
@@ -335,7 +353,10 @@ class CompiledPolicies:
             key = f"kungfu/policy/{self.name}/{i}"
 
             def run(p=p, key=key):
-                p.after_step(GraphContext(self, step, key))
+                try:
+                    p.after_step(GraphContext(self, step, key))
+                except (KeyError, TypeError) as e:  # TypeError: OperatorNotAllowedInGraphError (an `if`) too
+                    raise _naming_the_policy(e, p) from e
                 return tf.constant(True)
 
             with tf.control_dependencies([done]):

@@ -132,7 +132,9 @@ class PolicyRunner:
         if failed:
             rank, message = failed[0]
             more = f" (and on {len(failed) - 1} other worker(s))" if len(failed) > 1 else ""
-            raise PolicyError(f"{message}, on rank {rank}{more}") from cause
+            error = PolicyError(f"{message}, on rank {rank}{more}")
+            error.original = cause  # kept here too: model.fit's traceback filtering drops __cause__
+            raise error from cause
         changes = outcomes[0]["changes"]
         if any(o["changes"] != changes for o in outcomes[1:]):
             _log.warning("%s: the workers' policies decided differently at step %d; rank 0's decisions are applied",
