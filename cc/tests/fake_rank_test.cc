@@ -1,0 +1,143 @@
+// Races a real engine seldom produces, made certain by a fake rank built from the engine's own handshake
+// and frame encoding: a goodbye arriving after the other stream closed, and frames that arrive together
+// against the pending-data bound. Rank 0 is a real engine on loopback.
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <chrono>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cc/engine.h"
+#include "cc/tests/cluster.h"
+#include "cc/tests/testing.h"
+#include "cc/transport/handshake.h"
+#include "cc/transport/socket.h"
+#include "cc/wire.h"
+
+namespace kungfu {
+namespace {
+
+using testing::Waiter;
+
+// A fake rank made of the engine's own handshake, for frames no real engine would send when a test
+// needs them: it accepts rank 0's connection on its port and connects to rank 0, which then reads from
+// `rank0_reads` and writes to `rank0_writes`. Both are invalid if anything failed.
+struct FakeRank {
+  Fd rank0_writes, rank0_reads;  // the fake's ends of rank 0's two connections
+};
+
+FakeRank ConnectFakeRank(const PeerList& peers, const HandshakeParams& hs, int self) {
+  FakeRank f;
+  auto listener = Listen(peers.at(self).port);
+  if (!listener.ok()) return f;
+  pollfd pfd{listener.value().get(), POLLIN, 0};
+  if (::poll(&pfd, 1, 10000) != 1) return f;
+  Fd accepted(::accept4(listener.value().get(), nullptr, nullptr, SOCK_CLOEXEC));
+  if (!ServerHandshake(accepted.get(), hs, DeadlineAfter(10)).ok()) return f;
+  auto out = ConnectWithRetry(peers.at(0), DeadlineAfter(10));
+  if (!out.ok() || !ClientHandshake(out.value().get(), hs, self, peers.at(self), DeadlineAfter(10)).ok()) return f;
+  f.rank0_writes = std::move(accepted);
+  f.rank0_reads = std::move(out.value());
+  return f;
+}
+
+// The bytes of one frame: header, name, no pad, then h.payload_bytes of payload filled with 1.0f.
+std::vector<uint8_t> EncodeFrame(const FrameHeader& h, const std::string& name) {
+  std::vector<uint8_t> frame(kFrameHeaderSize + name.size() + h.payload_bytes);
+  EncodeFrameHeader(h, static_cast<uint32_t>(name.size()), frame.data());
+  std::copy(name.begin(), name.end(), frame.begin() + kFrameHeaderSize);
+  float* payload = reinterpret_cast<float*>(frame.data() + kFrameHeaderSize + name.size());
+  std::fill(payload, payload + h.payload_bytes / sizeof(float), 1.f);
+  return frame;
+}
+
+// A peer that leaves cleanly closes both its connections, and across two TCP streams the close of the
+// one this worker writes to can arrive before the goodbye on the other (on a real network). A fake rank 1
+// makes that certain here: it closes that stream and sends its goodbye 300 ms later. Rank 0 must take it
+// for a clean leave ("has left the cluster"), not for a crash ("closed the connection").
+TEST(Leave, GoodbyeAfterTheOtherStreamClosedIsStillAGoodbye) {
+  const PeerList peers = testing::LoopbackPeers(2);
+  HandshakeParams hs;
+  hs.token = "test-token";
+  hs.peers = &peers;
+  FakeRank fake1;
+  std::thread fake([&] { fake1 = ConnectFakeRank(peers, hs, 1); });
+  EngineConfig c;
+  c.peers = peers;
+  c.token = "test-token";
+  c.timeout_seconds = 20;
+  auto engine = Engine::Start(c);
+  fake.join();
+  ASSERT_OK(engine.status());
+  Fd& rank0_writes = fake1.rank0_writes;
+  Fd& rank0_reads = fake1.rank0_reads;
+  ASSERT_TRUE(rank0_writes.valid() && rank0_reads.valid());
+  Waiter w;
+  float x = 1;
+  engine.value()->AllReduce(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "x", w.Callback());
+  rank0_writes = Fd();  // closed first
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  FrameHeader bye;
+  bye.kind = FrameKind::kBye;
+  bye.generation = 0;  // the collectives the fake started: none, so rank 0's "x" can never finish
+  const std::vector<uint8_t> frame = EncodeFrame(bye, "kungfu/bye");
+  ASSERT_OK(WriteFull(rank0_reads.get(), frame.data(), frame.size(), DeadlineAfter(5)));
+  rank0_reads = Fd();
+  Status s = w.Wait();
+  EXPECT_EQ(CodeName(s.code()), CodeName(Code::kUnavailable));
+  EXPECT_TRUE(s.message().find("left the cluster") != std::string::npos);
+}
+
+// Data for a collective this worker has not started counts against max_pending_bytes from the moment
+// its frame's header arrives, not when the frame is complete: two fake ranks each send half of a 64 KiB
+// frame for "p", wait, then the rest. With a bound of 96 KiB the second must be refused. Charged only
+// at each frame's end, both used to be taken (128 KiB) and "p" then succeeded.
+TEST(Errors, FramesArrivingTogetherShareThePendingBound) {
+  const PeerList peers = testing::LoopbackPeers(3);
+  HandshakeParams hs;
+  hs.token = "test-token";
+  hs.peers = &peers;
+  FakeRank fakes[3];  // ranks 1 and 2
+  std::thread fake1([&] { fakes[1] = ConnectFakeRank(peers, hs, 1); });
+  std::thread fake2([&] { fakes[2] = ConnectFakeRank(peers, hs, 2); });
+  EngineConfig c;
+  c.peers = peers;
+  c.token = "test-token";
+  c.timeout_seconds = 20;
+  c.max_pending_bytes = 96 << 10;
+  auto engine = Engine::Start(c);
+  fake1.join();
+  fake2.join();
+  ASSERT_OK(engine.status());
+  const int64_t count = 16 << 10;  // 64 KiB of float32: a star allreduce on 3 workers
+  FrameHeader h;
+  h.kind = FrameKind::kData;
+  h.algo = Algo::kAllReduceStar;
+  h.dtype = static_cast<uint8_t>(DType::kFloat32);
+  h.aux = static_cast<uint32_t>(ReduceOp::kSum);
+  h.cluster_version = peers.version();
+  h.count = count;
+  h.payload_bytes = count * sizeof(float);
+  const std::vector<uint8_t> frame = EncodeFrame(h, "p");
+  const size_t half = frame.size() / 2;
+  for (int r : {1, 2}) {
+    ASSERT_TRUE(fakes[r].rank0_reads.valid());
+    ASSERT_OK(WriteFull(fakes[r].rank0_reads.get(), frame.data(), half, DeadlineAfter(5)));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));  // both headers read by now
+  for (int r : {1, 2}) {
+    ASSERT_OK(WriteFull(fakes[r].rank0_reads.get(), frame.data() + half, frame.size() - half, DeadlineAfter(5)));
+  }
+  std::vector<float> x(count, 1.f);
+  Waiter w;
+  engine.value()->AllReduce(x.data(), x.data(), count, DType::kFloat32, ReduceOp::kSum, "p", w.Callback());
+  Status s = w.Wait();
+  EXPECT_EQ(CodeName(s.code()), CodeName(Code::kResourceExhausted));
+  EXPECT_TRUE(s.message().find("KUNGFU_MAX_PENDING_BYTES") != std::string::npos);
+}
+
+}  // namespace
+}  // namespace kungfu
