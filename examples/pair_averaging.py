@@ -13,8 +13,10 @@ every worker holds the same final model.
 --final_epochs=N --final_strategy=sma|ssgd switches every worker to that strategy for the last N
 epochs, from a callback at the same epoch on every worker, as a switch must be (the strategies'
 collectives meet only when every worker runs the same one). The switch to S-SGD first sets every
-worker's model and Adam's state to the workers' mean, so the spread is 0 from then on; SMA moves each
-model only a fraction (alpha, 0.1) toward the mean at each step, so the models come together gradually.
+worker's model and Adam's state to the workers' mean, so the spread is 0 from then on. SMA moves each
+model only a fraction (alpha, 0.1) toward the mean at each step while each still takes its own
+gradient step, so the spread settles at a level of its own, which can be above pair averaging's (on 2
+workers a pair-averaging step averages fully with the only peer): end with ssgd for one model.
 """
 
 import os
