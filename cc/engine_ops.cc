@@ -64,6 +64,9 @@ void Engine::Impl::StartOp(std::unique_ptr<Op> op) {
 void Engine::Impl::Dispatch(ActiveOp& a, int src, const FrameHeader& h, const char* data) {
   Op* op = a.op.get();
   const uint64_t id = op->id;
+  if (h.kind != FrameKind::kAbort) {  // first: another kind of collective also has another shape signature
+    if (Status kind = CheckSameKind(config_.peers, src, h.algo, op->algo()); !kind.ok()) return Fail(id, kind, true);
+  }
   if (h.kind != FrameKind::kAbort && h.shape_sig != op->shape_sig) {
     // Before the algorithm's own checks, so this also catches what differs in the element count.
     return Fail(id,

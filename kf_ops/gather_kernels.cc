@@ -2,9 +2,10 @@
 //
 // The all-gather runs in two steps. First every worker's shape record (a fixed-size int64 vector:
 // rank, dtype, first dimension, a hash of the other dimensions, and the first few of them for
-// messages) is all-gathered under "<name>/shape". Every worker then sees the same records, so a
-// mismatch fails every worker alike with InvalidArgument, and otherwise each allocates the output
-// and all-gathers the data under "<name>" with per-worker counts.
+// messages) is all-gathered under "<name>". Every worker then sees the same records, so a mismatch
+// fails every worker alike with InvalidArgument, and otherwise each allocates the output and
+// all-gathers the data under "<name>/data" with per-worker counts. The first step has the name itself,
+// so that another collective given the same name on some worker meets it and fails at once.
 #include <algorithm>
 #include <cstring>
 #include <string>
@@ -103,7 +104,7 @@ class AllGatherOp : public CollectiveKernel {
  public:
   explicit AllGatherOp(OpKernelConstruction* c) : CollectiveKernel(c) {}
 
-  // The shape step is keyed "<key>/shape", the data step "<key>".
+  // The shape step is keyed "<key>", the data step "<key>/data".
   void Start(OpKernelContext* ctx, DoneCallback done) override {
     std::string key;
     OP_REQUIRES_OK_ASYNC(ctx, KeyOf(ctx, &key), done);
@@ -127,7 +128,7 @@ class AllGatherOp : public CollectiveKernel {
       });
     };
     engine->AllGather(mine->data(), all->data(), std::vector<int64_t>(size, kRecordSize), kungfu::DType::kInt64,
-                      key + "/shape", std::move(on_shapes));
+                      key, std::move(on_shapes));
   }
 
  private:
@@ -164,7 +165,7 @@ class AllGatherOp : public CollectiveKernel {
     if (!engine) return;
     BufferView view;
     OP_REQUIRES_OK_ASYNC(ctx, ViewOf(*input, &view), done);
-    engine->AllGather(view.data, const_cast<char*>(out->tensor_data().data()), counts, view.dtype, key,
+    engine->AllGather(view.data, const_cast<char*>(out->tensor_data().data()), counts, view.dtype, key + "/data",
                       FinishKernel(ctx, done, nullptr, input));
   }
 

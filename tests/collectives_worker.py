@@ -336,6 +336,9 @@ def mismatches_fail_on_every_worker():
         # must never receive a uint8's 255).
         "broadcast byte dtype": (lambda: kungfu.broadcast(np.zeros([3], np.bool_ if odd else np.uint8),
                                                           name="mm/bbytes"), ["mm/bbytes", "dtype"]),
+        # One name for two collectives: all_gather's first step (the shapes) runs under the name itself.
+        "all_gather against all_reduce": (lambda: (kungfu.all_gather if odd else kungfu.all_reduce)(
+            np.zeros([2], np.float32), name="mm/kind"), ["mm/kind", "two different collectives"]),
     }
     problems = []
     for what, (fn, words) in cases.items():

@@ -18,6 +18,7 @@ class AllGather : public Op {
         esize_(static_cast<int64_t>(DTypeSize(dtype))) {}
 
   const char* kind() const override { return "allgather"; }
+  Algo algo() const override { return Algo::kAllGather; }
 
   Status Start(OpContext* ctx) override {
     n_ = ctx->size();

@@ -20,6 +20,7 @@ class AllReduceOp : public Op {
         esize_(static_cast<int64_t>(DTypeSize(dtype))), bytes_(count * esize_) {}
 
   const char* kind() const override { return kind_; }
+  Algo algo() const override { return algo_; }
 
  protected:
   // Every frame of this collective carries this, so that peers can check they run the same one.

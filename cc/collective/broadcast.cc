@@ -21,6 +21,7 @@ class Broadcast : public Op {
         esize_(static_cast<int64_t>(DTypeSize(dtype))) {}
 
   const char* kind() const override { return "broadcast"; }
+  Algo algo() const override { return chain_ ? Algo::kBroadcastChain : Algo::kBroadcastStar; }
 
   Status Start(OpContext* ctx) override {
     n_ = ctx->size();
@@ -97,11 +98,10 @@ class Broadcast : public Op {
   static constexpr uint32_t kCommitTag = 1;
   bool HaveData() const { return received_ == count_ && frames_ >= 1; }
   int ExpectedAcks() const { return chain_ ? 1 : n_ - 1; }
-  kungfu::Algo Algo() const { return chain_ ? Algo::kBroadcastChain : Algo::kBroadcastStar; }
   int Next() const { return (r_ + 1) % n_; }
   int Prev() const { return chain_ ? (r_ + n_ - 1) % n_ : root_; }
 
-  FrameShape Shape() const { return {Algo(), dtype_, count_, static_cast<uint32_t>(root_)}; }
+  FrameShape Shape() const { return {algo(), dtype_, count_, static_cast<uint32_t>(root_)}; }
 
   Status Placement(const FrameHeader& h, int64_t* len) const {
     if (count_ == 0) {

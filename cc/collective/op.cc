@@ -19,6 +19,32 @@ FrameHeader MakeFrame(const FrameShape& s, uint32_t tag, int64_t offset, uint64_
   return h;
 }
 
+namespace {
+
+// What kind of collective an algorithm runs: workers that agree on it but not on the algorithm disagree on
+// sizes or settings; workers that disagree on it gave one name to two different collectives.
+int KindOf(Algo a) {
+  switch (a) {
+    case Algo::kAllReduceStar:
+    case Algo::kAllReduceRing:
+    case Algo::kAllReduceDoubling:
+    case Algo::kAllReduceHalving: return 0;
+    case Algo::kBroadcastStar:
+    case Algo::kBroadcastChain: return 1;
+    case Algo::kAllGather: return 2;
+    case Algo::kPeerToPeer: return 3;
+  }
+  return -1;
+}
+
+}  // namespace
+
+Status CheckSameKind(const PeerList& peers, int src, Algo theirs, Algo mine) {
+  if (KindOf(theirs) == KindOf(mine)) return Status::OK();
+  return InvalidArgument("peer " + peers.Describe(src) + " runs " + AlgoName(theirs) + " under this name, this worker " +
+                         AlgoName(mine) + ": one name for two different collectives (give each its own name)");
+}
+
 bool SameCollective(const FrameHeader& h, const FrameShape& s) {
   return h.algo == s.algo && h.dtype == static_cast<uint8_t>(s.dtype) && h.count == s.count && h.aux == s.aux;
 }
@@ -27,6 +53,7 @@ Status CheckAgreement(const PeerList& peers, int src, const FrameHeader& h, cons
                       const char* aux_name) {
   if (SameCollective(h, s)) return Status::OK();  // the common case builds no message
   const std::string who = "peer " + peers.Describe(src);
+  if (Status kind = CheckSameKind(peers, src, h.algo, s.algo); !kind.ok()) return kind;
   if (h.algo != s.algo) {
     return InvalidArgument(who + " runs " + AlgoName(h.algo) + ", this worker " + AlgoName(s.algo) +
                            " (different sizes, or KUNGFU_RING_THRESHOLD, KUNGFU_CHUNK_BYTES or KUNGFU_HALVING"

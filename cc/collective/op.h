@@ -37,6 +37,7 @@ class Op {
   virtual ~Op() = default;
 
   virtual const char* kind() const = 0;  // "allreduce", for messages
+  virtual Algo algo() const = 0;         // what its frames carry
   virtual Status Start(OpContext* ctx) = 0;
   // A buffer to read this DATA frame's payload into directly, or nullptr (the engine buffers it).
   // Must validate the frame's placement before returning a pointer into user memory.
@@ -77,7 +78,10 @@ FrameHeader MakeFrame(const FrameShape& s, uint32_t tag, int64_t offset, uint64_
                       FrameKind kind = FrameKind::kData);
 // Whether a peer's frame describes the same collective (the cheap test for DirectTarget).
 bool SameCollective(const FrameHeader& h, const FrameShape& s);
-// The same test with an error that names both sides:
+// InvalidArgument when a peer's frame comes from another kind of collective than mine (an all-gather
+// against an all-reduce): one name given to two different collectives.
+Status CheckSameKind(const PeerList& peers, int src, Algo theirs, Algo mine);
+// The same test as SameCollective with an error that names both sides:
 // "peer 127.0.0.1:10001 (rank 1) has 12 float32 elements, this worker 10".
 Status CheckAgreement(const PeerList& peers, int src, const FrameHeader& h, const FrameShape& s,
                       const char* aux_name);

@@ -1,5 +1,6 @@
 // All-reduce of edge values, by every algorithm: NaN and signed zeros for min and max, and the overflow
 // of a half-type mean. N ranks as threads in one process over loopback, as in engine_test.cc.
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -81,6 +82,30 @@ TEST(AllReduce, HalfMeanOverflowsWithItsSumOnEveryAlgorithm) {
         }
       });
     }
+  }
+}
+
+// Two different collectives under one name (an all-gather on one worker, an all-reduce on the other) fail
+// both workers at once with InvalidArgument saying so, whichever all-reduce algorithm runs.
+TEST(Errors, TwoCollectivesUnderOneNameFailAtOnceSayingSo) {
+  for (int64_t threshold : {int64_t{1} << 26, int64_t{0}}) {
+    const int n = 2;
+    auto engines = StartCluster(n, [&](EngineConfig& c) { c.ring_threshold_bytes = threshold; });
+    const auto t0 = std::chrono::steady_clock::now();
+    RunRanks(n, [&](int r) {
+      std::vector<float> in(8, 1.f), out(8 * n);
+      Status s;
+      if (r == 0) {
+        s = engines[r]->AllReduceSync(in.data(), out.data(), 8, DType::kFloat32, ReduceOp::kSum, "x");
+      } else {
+        testing::Waiter w;
+        engines[r]->AllGather(in.data(), out.data(), std::vector<int64_t>(n, 8), DType::kFloat32, "x", w.Callback());
+        s = w.Wait();
+      }
+      EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
+      EXPECT_EQ(s.message().find("two different collectives") != std::string::npos, true);
+    });
+    EXPECT_TRUE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 5.0);
   }
 }
 
