@@ -302,6 +302,8 @@ def test_worker_env_contract():
     assert env == {"KUNGFU_PEERS": "127.0.0.1:10000,127.0.0.1:10001", "KUNGFU_RANK": "1", "KUNGFU_SIZE": "2",
                    "KUNGFU_LOCAL_RANK": "1", "KUNGFU_LOCAL_SIZE": "2", "KUNGFU_TOKEN": "tok",
                    "KUNGFU_TIMEOUT": "12.5", "KUNGFU_CLUSTER_VERSION": "0", "TF_CPU_ALLOCATOR_USE_BFC": "true"}
+    for timeout, said in ((1234567, "1234567"), (100.123456789, "100.123456789"), (7.0, "7")):
+        assert plan.worker_env(workers[1], workers, "tok", timeout, environ={})["KUNGFU_TIMEOUT"] == said
 
 
 def test_worker_defaults_yield_to_the_callers_environment():

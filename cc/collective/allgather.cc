@@ -28,6 +28,8 @@ class AllGather : public Op {
                              std::to_string(n_) + " workers");
     }
     prefix_.assign(n_ + 1, 0);
+    got_.assign(n_, 0);
+    empty_got_.assign(n_, false);
     for (int i = 0; i < n_; ++i) {
       if (counts_[i] < 0) return InvalidArgument("allgather count is negative");
       prefix_[i + 1] = prefix_[i] + counts_[i];
@@ -66,14 +68,23 @@ class AllGather : public Op {
     char* dst = out_ + h.offset * esize_;
     if (data != dst && len > 0) std::memcpy(dst, data, len * esize_);
     received_ += len;
-    if (len == 0) ++empty_received_;
+    got_[src] += len;
+    if (len == 0) {
+      ++empty_received_;
+      empty_got_[src] = true;
+    }
     return Status::OK();
   }
 
   bool ReceivedAll() const override { return received_ == expected_ && empty_received_ == empty_expected_; }
 
   std::string Progress() const override {
-    return "received " + std::to_string(received_) + " of " + std::to_string(expected_) + " elements";
+    std::vector<int> missing;
+    for (int r = 0; r < n_; ++r) {
+      if (r != r_ && (got_[r] < counts_[r] || (counts_[r] == 0 && !empty_got_[r]))) missing.push_back(r);
+    }
+    return "received " + std::to_string(received_) + " of " + std::to_string(expected_) + " elements" +
+           (missing.empty() ? std::string() : "; waiting for " + RankList(missing));
   }
 
  private:
@@ -109,6 +120,8 @@ class AllGather : public Op {
   int64_t esize_;
   int n_ = 1, r_ = 0;
   std::vector<int64_t> prefix_;
+  std::vector<int64_t> got_;     // elements received from each worker
+  std::vector<bool> empty_got_;  // whether each worker's empty-block frame came
   int64_t total_ = 0, piece_ = 1;
   int64_t expected_ = 0, received_ = 0;
   int empty_expected_ = 0, empty_received_ = 0;

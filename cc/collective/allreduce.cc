@@ -94,9 +94,15 @@ class AllReduceStar : public AllReduceOp {
   std::string Progress() const override {
     if (got_result_) return "done";
     if (r_ == 0) {
-      return "received " + std::to_string(contributions_) + " of " + std::to_string(n_ - 1) + " contributions";
+      std::vector<int> missing;
+      for (int r = 1; r < n_; ++r) {
+        if (!seen_[r]) missing.push_back(r);
+      }
+      return "received " + std::to_string(contributions_) + " of " + std::to_string(n_ - 1) +
+             " contributions; waiting for " + RankList(missing);
     }
-    return "waiting for the result from rank 0";
+    // Rank 0 answers once every worker's part is in: a worker missing anywhere holds this one up.
+    return "sent its part to rank 0, which has not returned the result (it waits for every worker's part)";
   }
 
  private:

@@ -1,5 +1,7 @@
 #include "cc/collective/op.h"
 
+#include <algorithm>
+
 namespace kungfu {
 
 Status Op::OnAck(OpContext*, int src, const FrameHeader&) {
@@ -38,6 +40,14 @@ int KindOf(Algo a) {
 }
 
 }  // namespace
+
+std::string RankList(const std::vector<int>& ranks) {
+  std::string out = ranks.size() == 1 ? "rank " : "ranks ";
+  const size_t shown = std::min<size_t>(ranks.size(), 8);
+  for (size_t i = 0; i < shown; ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);
+  if (ranks.size() > shown) out += " and " + std::to_string(ranks.size() - shown) + " more";
+  return out;
+}
 
 Status CheckSameKind(const PeerList& peers, int src, Algo theirs, Algo mine) {
   if (KindOf(theirs) == KindOf(mine)) return Status::OK();

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "cc/dtype.h"
 #include "cc/engine.h"
@@ -85,6 +86,9 @@ Status CheckSameKind(const PeerList& peers, int src, Algo theirs, Algo mine);
 // "peer 127.0.0.1:10001 (rank 1) has 12 float32 elements, this worker 10".
 Status CheckAgreement(const PeerList& peers, int src, const FrameHeader& h, const FrameShape& s,
                       const char* aux_name);
+
+// "rank 2", "ranks 1, 3" (the first 8, then "and N more"), for what a collective still waits for.
+std::string RankList(const std::vector<int>& ranks);
 
 // Chunk j of n over count elements: [ChunkBegin(j), ChunkBegin(j + 1)).
 inline int64_t ChunkBegin(int64_t count, int n, int j) { return count * j / n; }

@@ -239,6 +239,29 @@ TEST(Errors, StalledPeerIsDeadlineExceeded) {
   EXPECT_TRUE(s.message().find("stall") != std::string::npos);
 }
 
+// A deadline's message names the workers a collective still waits for: rank 2 of 3 never joins. The star
+// all-reduce's root names it; the other worker says it waits for the root, which waits for everyone.
+TEST(Errors, StalledPeerIsNamedInTheDeadlineMessage) {
+  const int n = 3;
+  auto engines = StartCluster(n, [](EngineConfig& c) {
+    c.timeout_seconds = 0.5;
+    c.ring_threshold_bytes = int64_t{1} << 26;  // the star, on 3 workers
+  });
+  RunRanks(n - 1, [&](int r) {
+    std::vector<float> in(4, 1.f), out(4 * n);
+    Status s = engines[r]->AllReduceSync(in.data(), out.data(), 4, DType::kFloat32, ReduceOp::kSum, "stalled");
+    EXPECT_EQ(CodeName(s.code()), CodeName(Code::kDeadlineExceeded));
+    const std::string want = r == 0 ? "waiting for rank 2" : "sent its part to rank 0";
+    EXPECT_EQ(s.message().find(want) != std::string::npos, true);
+    Waiter w;
+    engines[r]->AllGather(in.data(), out.data(), std::vector<int64_t>(n, 4), DType::kFloat32, "gathered",
+                          w.Callback());
+    s = w.Wait();
+    EXPECT_EQ(CodeName(s.code()), CodeName(Code::kDeadlineExceeded));
+    EXPECT_EQ(s.message().find("received 4 of 8 elements; waiting for rank 2") != std::string::npos, true);
+  });
+}
+
 TEST(Handshake, WrongTokenIsRefused) {
   const PeerList peers = testing::LoopbackPeers(2);
   std::vector<Status> results(2);

@@ -118,6 +118,12 @@ def plan_workers(hosts, np, port_range, local_check=hosts_lib.is_local, port_fre
 WORKER_DEFAULTS = {"TF_CPU_ALLOCATOR_USE_BFC": "true"}
 
 
+def _seconds(value):
+    """value exactly, as the workers parse it: "7" for 7.0, "100.123456789" (not %g's "100.123")."""
+    value = float(value)
+    return str(int(value)) if value.is_integer() else repr(value)
+
+
 # The variables worker_env sets per worker: the contract kungfu._env.resolve_cluster reads.
 WORKER_CONTRACT = ("KUNGFU_PEERS", "KUNGFU_RANK", "KUNGFU_SIZE", "KUNGFU_LOCAL_RANK", "KUNGFU_LOCAL_SIZE",
                    "KUNGFU_TOKEN", "KUNGFU_TIMEOUT", "KUNGFU_CLUSTER_VERSION")
@@ -138,6 +144,6 @@ def worker_env(spec, workers, token, timeout, environ=None, bind_to="none"):
         "KUNGFU_LOCAL_RANK": str(spec.local_rank),
         "KUNGFU_LOCAL_SIZE": str(spec.local_size),
         "KUNGFU_TOKEN": token,
-        "KUNGFU_TIMEOUT": f"{timeout:g}",
+        "KUNGFU_TIMEOUT": _seconds(timeout),
         "KUNGFU_CLUSTER_VERSION": "0",
     }
