@@ -17,6 +17,10 @@
 
 namespace kungfu {
 
+namespace {
+constexpr int kRefusalLogSeconds = 5;
+}  // namespace
+
 Engine::Impl::Impl(const EngineConfig& config) : config_(config) {
   hs_.token = config_.token;
   hs_.cluster_version = config_.peers.version();
@@ -135,8 +139,18 @@ void Engine::Impl::AcceptLoop() {
     auto rank = ServerHandshake(fd.get(), hs_, DeadlineAfter(limit));
     if (!rank.ok()) {
       ++stats_.refused;
+      const auto now = std::chrono::steady_clock::now();
+      if (now - last_refusal_log_ < std::chrono::seconds(kRefusalLogSeconds)) {
+        ++refusals_unlogged_;
+        continue;
+      }
       KF_LOG(Warning) << "rank " << config_.rank << " refused a connection from " << from << ": "
-                      << rank.status().message();
+                      << rank.status().message()
+                      << (refusals_unlogged_ ? " (and " + std::to_string(refusals_unlogged_) +
+                                                   " more since the last such message)"
+                                             : std::string());
+      last_refusal_log_ = now;
+      refusals_unlogged_ = 0;
       continue;
     }
     TuneDataSocket(fd.get());

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <map>
 #include <optional>
@@ -139,6 +140,10 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   std::vector<std::optional<Deadline>> judge_at_;
   std::vector<Status> judge_why_;
   bool accept_failing_ = false;  // acceptor thread only: an accept error was logged
+  // Acceptor thread only: refused connections are logged at most once per kRefusalLogSeconds (another
+  // job on our ports retries many times a second), with the count of those not logged since.
+  std::chrono::steady_clock::time_point last_refusal_log_{};
+  int64_t refusals_unlogged_ = 0;
   Status first_dead_;
   uint64_t next_op_id_ = 1;
   std::vector<uint64_t> sent_;  // ops whose frames were written, to report outside op code
