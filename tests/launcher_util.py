@@ -34,9 +34,10 @@ PID_WORKER = """
 import os, signal, subprocess, sys, time
 rank = os.environ["KUNGFU_RANK"]
 mode = dict(a.split("=") for a in sys.argv[1:]).get(rank, "hang")
-if mode == "stubborn":  # its child inherits the ignored signals too
+if mode.startswith("stubborn"):  # its child inherits the ignored signals too; stubbornexit0: then exits 0
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    mode = mode[len("stubborn"):] or "hang"
 if mode == "usr1":  # appends a line to $PID_DIR/u<rank> for every SIGUSR1, and runs on
     def on_usr1(signum, frame):
         with open(os.path.join(os.environ["PID_DIR"], "u" + rank), "a") as f:

@@ -111,6 +111,16 @@ def test_success_leaves_no_grandchild(reaper):
     assert not [n for n, pid in pids.items() if alive(pid)], "grandchildren left behind"
 
 
+def test_a_child_left_by_a_worker_that_exited_is_killed_and_named_so(reaper):
+    pid_dir, _ = reaper
+    rc, out, err = run_kfrun(["-np", "1", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER,
+                              "0=stubbornexit0"], reaper)
+    assert rc == 0, err
+    assert "sending SIGKILL to worker(s) 0 (exited; processes it started) (still running)" in err, err
+    pids = wait_for_files(pid_dir, ["c0"])
+    assert not alive(pids["c0"]), "the child that ignores SIGTERM was left behind"
+
+
 @pytest.mark.parametrize("args, message", [
     (["-np", "0", "--", "x"], "-np must be at least 1"),
     (["--", "x"], "-np is required"),

@@ -265,9 +265,9 @@ class Supervisor:
             if self._collect_exits(time.monotonic() + self._opts.kill_after, until_kill=True):
                 return
         left = self._alive()
-        self._printer.message(
-            "sending SIGKILL to worker(s) " + ", ".join(str(w.spec.rank) for w in left) + " (still running)"
-        )
+        said = [f"{w.spec.rank}" if w.returncode is None else f"{w.spec.rank} (exited; processes it started)"
+                for w in left]
+        self._printer.message("sending SIGKILL to worker(s) " + ", ".join(said) + " (still running)")
         for w in left:
             w.kill()
         if not self._collect_exits(time.monotonic() + 5.0):
