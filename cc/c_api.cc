@@ -92,6 +92,11 @@ void kungfu_finalizing(void) {
   if (e) e->Finalizing();
 }
 
+int kungfu_timed_out(void) {
+  auto e = kungfu::GlobalEngine();
+  return e && e->TimedOut() ? 1 : 0;
+}
+
 int kungfu_finalize(void) { return Finalize(false); }
 
 int kungfu_leave(void) { return Finalize(true); }

@@ -82,6 +82,9 @@ class Engine {
   // worker joins). Peers hear how many it started before: one waiting in a collective that this worker
   // never started (it left its training loop early) fails at once, naming it, instead of at its timeout.
   void Finalizing();
+  // Whether a collective of this engine has failed at its deadline: a peer stalled (or is far behind),
+  // and it would hold a finalize barrier for another whole deadline too.
+  bool TimedOut() const;
 
   int rank() const;
   int size() const;

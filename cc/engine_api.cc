@@ -25,6 +25,8 @@ void Engine::Finalizing() {
   impl->loop().Post([impl] { impl->BeginFinalize(); });  // in order with the barrier's start
 }
 
+bool Engine::TimedOut() const { return impl_->TimedOut(); }
+
 StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineConfig& config) {
   auto impl = std::make_unique<Impl>(config);
   Status s = impl->Start();

@@ -70,6 +70,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   void Judge(int peer, const Status& s);  // the peer is gone: close to it, fail what involves it
   void LeaveCleanly() { leave_cleanly_ = true; }
   void BeginFinalize();  // loop thread: see Engine::Finalizing
+  bool TimedOut() const { return timed_out_; }
   EventLoop& loop() { return loop_; }
   void CheckBroken(Connection* c);
 
@@ -114,6 +115,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   std::thread acceptor_;
   std::atomic<bool> stopping_{false};
   std::atomic<bool> leave_cleanly_{false};  // say goodbye at shutdown (LeaveCleanly)
+  std::atomic<bool> timed_out_{false};      // a collective failed at its deadline (Engine::TimedOut)
   bool loop_started_ = false;  // set by Start once the loop thread runs
 
   // Loop thread state.

@@ -347,6 +347,7 @@ int Engine::Impl::AfterEvents() {
   for (auto& [key, a] : ops_) {
     if (now >= a.deadline) expired.emplace_back(a.op->id, a.op->Progress());
   }
+  if (!expired.empty()) timed_out_ = true;
   for (auto& [id, progress] : expired) {
     Fail(id,
          DeadlineExceeded("timed out after " + std::to_string(config_.timeout_seconds) + " s (KUNGFU_TIMEOUT); " +

@@ -560,6 +560,15 @@ def run_exit():
     report_all_reduce("KFEXIT", x, "after-exit")
 
 
+def run_stall():
+    """Rank 1 stalls (it sleeps until kfrun stops it); rank 0's all-reduce times out naming it, and rank 0's
+    finalize then leaves at once instead of waiting another timeout for it in the barrier."""
+    kungfu.barrier(name="before-stall")
+    if kungfu.rank() == 1:
+        time.sleep(120)
+    report_all_reduce("KFSTALL", tf.ones([4]), "stalled")
+
+
 def main():
     kungfu.init()
     if sys.argv[1] == "checks":
@@ -568,6 +577,8 @@ def main():
         return run_leave()
     if sys.argv[1] == "exit":
         return run_exit()
+    if sys.argv[1] == "stall":
+        return run_stall()
     run_kill()
 
 

@@ -88,3 +88,15 @@ def test_worker_that_exits_early_fails_its_peers_at_once(tmp_path):
         assert r["seconds"] < 10, f"rank {rank}: took {r['seconds']} s (the timeout is 60 s)"
     assert code == 3, out[-4000:]
     assert time.monotonic() - start < 50, out[-4000:]
+
+
+def test_a_worker_whose_collective_timed_out_does_not_wait_for_the_stalled_peer_again(tmp_path):
+    """Rank 1 stalls: rank 0's all-reduce fails at the 4 s timeout naming it, and rank 0's finalize skips
+    the barrier (the stalled peer would hold it another 4 s); kfrun then stops rank 1 as stalled."""
+    code, out = launch(2, [WORKER, "stall"], tmp_path, timeout=4, budget=90)
+    m = re.search(r"^\[0\] KFSTALL (.*)$", out, re.M)
+    assert m, out[-4000:]
+    report = json.loads(m.group(1))
+    assert report["error"] == "DeadlineExceededError" and "waiting for rank 1" in report["message"], report
+    assert "leaving without waiting for the others" in out, out[-4000:]
+    assert code == 124, out[-4000:]  # kfrun's code for a worker still running after the others finished

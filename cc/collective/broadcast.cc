@@ -70,6 +70,10 @@ class Broadcast : public Op {
       return Status::OK();
     }
     if (h.tag != 0 || ++acks_ > ExpectedAcks()) return InvalidArgument("unexpected broadcast acknowledgement");
+    if (src >= 0 && src < n_) {
+      acked_.resize(n_);
+      acked_[src] = true;
+    }
     if (acks_ == ExpectedAcks()) {
       FrameHeader commit = Header(FrameKind::kAck, 0, 0);
       commit.tag = kCommitTag;
@@ -87,8 +91,15 @@ class Broadcast : public Op {
   }
 
   std::string Progress() const override {
-    if (r_ == root_) return "received " + std::to_string(acks_) + " of " + std::to_string(ExpectedAcks()) +
-                            " acknowledgements";
+    if (r_ == root_) {
+      std::vector<int> missing;  // the star's workers that have not acknowledged; the chain's last one
+      for (int r = 0; r < n_; ++r) {
+        const bool expected = chain_ ? (r + 1) % n_ == root_ : r != root_;
+        if (expected && (r >= static_cast<int>(acked_.size()) || !acked_[r])) missing.push_back(r);
+      }
+      return "received " + std::to_string(acks_) + " of " + std::to_string(ExpectedAcks()) +
+             " acknowledgements; waiting for " + RankList(missing);
+    }
     if (HaveData()) return "waiting for the root's commit";
     return "received " + std::to_string(received_) + " of " + std::to_string(count_) + " elements from rank " +
            std::to_string(Prev());
@@ -140,6 +151,7 @@ class Broadcast : public Op {
   int64_t received_ = 0;
   int frames_ = 0;
   int acks_ = 0;
+  std::vector<bool> acked_;  // root: which workers' acknowledgements came
   bool committed_ = false;  // root: commit sent; others: commit received
 };
 

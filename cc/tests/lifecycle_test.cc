@@ -234,9 +234,12 @@ TEST(Errors, StalledPeerIsDeadlineExceeded) {
   const int n = 2;
   auto engines = StartCluster(n, [](EngineConfig& c) { c.timeout_seconds = 0.5; });
   std::vector<float> buf(10, 1.f);
+  EXPECT_EQ(engines[0]->TimedOut(), false);
   Status s = engines[0]->AllReduceSync(buf.data(), buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum, "stall");
   EXPECT_EQ(CodeName(s.code()), CodeName(Code::kDeadlineExceeded));
   EXPECT_TRUE(s.message().find("stall") != std::string::npos);
+  EXPECT_EQ(engines[0]->TimedOut(), true);  // kungfu.finalize then skips its barrier
+  EXPECT_EQ(engines[1]->TimedOut(), false);
 }
 
 // A deadline's message names the workers a collective still waits for: rank 2 of 3 never joins. The star
@@ -259,6 +262,11 @@ TEST(Errors, StalledPeerIsNamedInTheDeadlineMessage) {
     s = w.Wait();
     EXPECT_EQ(CodeName(s.code()), CodeName(Code::kDeadlineExceeded));
     EXPECT_EQ(s.message().find("received 4 of 8 elements; waiting for rank 2") != std::string::npos, true);
+    Waiter b;
+    engines[r]->Broadcast(in.data(), 4, DType::kFloat32, 0, "broadcast", b.Callback());
+    s = b.Wait();
+    EXPECT_EQ(CodeName(s.code()), CodeName(Code::kDeadlineExceeded));
+    if (r == 0) EXPECT_EQ(s.message().find("of 2 acknowledgements; waiting for rank 2") != std::string::npos, true);
   });
 }
 

@@ -53,7 +53,8 @@ def _declare(c):
     c.kungfu_init.argtypes = [ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_double, ctypes.c_uint32,
                               ctypes.c_char_p, ctypes.c_int]
     c.kungfu_init.restype = ctypes.c_int
-    for fn in (c.kungfu_initialized, c.kungfu_rank, c.kungfu_size, c.kungfu_finalize, c.kungfu_leave):
+    for fn in (c.kungfu_initialized, c.kungfu_rank, c.kungfu_size, c.kungfu_finalize, c.kungfu_leave,
+               c.kungfu_timed_out):
         fn.argtypes = []
         fn.restype = ctypes.c_int
     c.kungfu_stats.argtypes = [i64p, ctypes.c_int]
@@ -179,8 +180,14 @@ def finalize():
 
 def _finalize_barrier():
     """True when every worker reached finalize; logs a warning otherwise. Peers still waiting in a
-    collective that this worker never started (it left its loop early) fail at once (kungfu_finalizing)."""
+    collective that this worker never started (it left its loop early) fail at once (kungfu_finalizing).
+    After a collective of this worker timed out, a peer has stalled: it would hold the barrier for another
+    whole KUNGFU_TIMEOUT, so the barrier is skipped and the worker leaves at once."""
     _library.c.kungfu_finalizing()
+    if _library.c.kungfu_timed_out():
+        logging.getLogger("kungfu").warning("kungfu.finalize: a collective of this worker timed out, so a peer has "
+                                            "stalled; leaving without waiting for the others")
+        return False
     one, total = ctypes.c_int32(1), ctypes.c_int32(0)
     err = ctypes.create_string_buffer(_ERR_LEN)
     code = _library.c.kungfu_all_reduce(ctypes.byref(one), ctypes.byref(total), 1, _DTYPE_INT32, _OP_SUM,
