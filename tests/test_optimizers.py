@@ -234,6 +234,19 @@ def test_warmup_callback_ramps_the_rate_batch_by_batch_then_leaves_it():
     assert warmup.rate(0, 0) == pytest.approx(0.1) and warmup.rate(9, 0) == pytest.approx(0.4)
 
 
+def test_warmup_callback_hands_over_to_a_schedule_when_it_ends():
+    """Horovod's recipe: warm up, then a schedule from the next epoch. The schedule's rate for the first
+    epoch after the warm-up, set in on_epoch_begin, must stand (the warm-up ends at its last batch's end)."""
+    model, x, y = model_and_data()  # 4 batches an epoch
+    model.compile(optimizer=optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.5)), loss="mse")
+    warmup = callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=2, start_lr=0.1)
+    schedule = keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.02 if epoch >= 2 else lr)
+    record = _RecordRate()
+    model.fit(x, y, batch_size=16, epochs=4, callbacks=[warmup, schedule, record], verbose=0)
+    ramp = [0.1 + 0.3 * i / 8 for i in range(8)]
+    assert record.rates == pytest.approx(ramp + [0.02] * 8)
+
+
 def test_warmup_callback_happens_once_and_not_when_fit_starts_past_it():
     model, x, y = model_and_data()
     model.compile(optimizer=optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.5)), loss="mse")

@@ -78,14 +78,22 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         if self._finished:
             return  # also in a later fit: the rate may have moved since (ReduceLROnPlateau, a policy)
         at = self._epoch + self._offset + batch / self._steps
-        over = at >= self.warmup_epochs
-        if over and not self._ramping:
-            self._finished = True  # this fit starts past the warm-up (initial_epoch, a resumed run)
+        if at >= self.warmup_epochs - _EPS:  # this fit starts past the warm-up (initial_epoch, a resumed run)
+            if self._ramping:  # one that an earlier fit left unfinished: end it where it should have
+                self.model.optimizer.learning_rate = self.initial_lr
+            self._finished = True
             return
         self._ramping = True
         self.model.optimizer.learning_rate = self._rate_at(at)
         self._next = at + 1 / self._steps
-        self._finished = over
+
+    def on_train_batch_end(self, batch, logs=None):
+        # The warm-up's last batch: the rate reaches initial_lr now, not at the next batch's start, which
+        # comes after the next epoch's on_epoch_begin, where a schedule (LearningRateScheduler) may have
+        # set the rate it wants from then on.
+        if self._ramping and not self._finished and self._next >= self.warmup_epochs - _EPS:
+            self.model.optimizer.learning_rate = self.initial_lr
+            self._finished = True
 
     def rate(self, epoch, batch):
         """The rate of batch `batch` of epoch `epoch` (both from 0, counted from the warm-up's start);
@@ -95,6 +103,9 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     def _rate_at(self, epochs):
         done = min(epochs / self.warmup_epochs, 1.0)
         return self._first_lr + (self.initial_lr - self._first_lr) * done
+
+
+_EPS = 1e-9  # epochs: positions computed as sums of 1 / steps_per_epoch may miss the end by rounding
 
 
 def _positive(name, value):
