@@ -11,7 +11,7 @@ import re
 import pytest
 
 from conftest import REPO
-from mp import assert_checks_passed, launch
+from mp import assert_checks_passed, checks_problems, launch
 
 pytestmark = pytest.mark.usefixtures("kungfu_library")
 
@@ -38,3 +38,11 @@ def test_model_averaging_learns_digits(tmp_path):
         if re.match(r"^\[\d+\] KFDIGITS", line):
             print(line)
     assert_checks_passed(code, out, DIGITS, 4)
+
+
+def test_epochs_of_unknown_length_that_end_apart_fail_at_the_epoch_end(tmp_path):
+    """Datasets of unknown length, one batch longer on rank 1: see tests/fit_steps_worker.py."""
+    worker = os.path.join(REPO, "tests", "fit_steps_worker.py")
+    code, out = launch(2, [worker], tmp_path, timeout=5, budget=120)
+    problems = checks_problems(out, ["epochs_of_unknown_length_that_end_apart_fail"], 2)
+    assert not problems, "\n".join(problems) + "\n" + out[-4000:]

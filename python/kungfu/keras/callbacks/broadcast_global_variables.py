@@ -15,8 +15,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     when root restored a checkpoint the others do not have. A model that Keras builds on its first
     batch (a subclassed model, a Sequential without keras.Input) has no variables before fit's first
     step; it is broadcast before the second step instead (as Horovod does), so the first step's
-    update is root's. Only on_train_begin, on_train_batch_begin and on_train_end are overridden, so
-    Keras keeps its asynchronous batch dispatch.
+    update is root's. Of the batch hooks only on_train_batch_begin is overridden, so Keras keeps its
+    asynchronous batch dispatch.
 
     The state of Keras's random seed generators (dropout masks, noise and augmentation layers) is not
     broadcast: each worker keeps drawing its own random numbers, as one process would for each row of
@@ -29,12 +29,18 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     of fit's step count), unless the optimizer runs pair averaging, which waits for no other worker's
     step. With S-SGD a worker with one batch more would wait for the others' gradients at its last
     step until KUNGFU_TIMEOUT; instead every worker raises ValueError at once, naming the counts.
+    When fit cannot know the count (a dataset of unknown length, e.g. after .filter()), the workers
+    compare at every epoch's end how many batches they took instead: one that ran out first waits
+    there, and raises ValueError, rather than pairing its next epoch's gradients with another worker's
+    extra batches; the others fail in that extra step (both at KUNGFU_TIMEOUT).
     """
 
     def __init__(self, root=0):
         super().__init__()
         self.root = root
         self._done = False
+        self._check_epochs = False  # compare each epoch's steps (fit did not know the count)
+        self._epoch_start = 0  # the optimizer's iterations when the epoch began
 
     def on_train_begin(self, logs=None):
         _lib.require_init("BroadcastGlobalVariablesCallback")
@@ -42,13 +48,26 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
         model = self.model
         optimizer = getattr(model, "optimizer", None)
+        self._check_epochs = False
         if not isinstance(optimizer, DistributedMixin) or optimizer.strategy != "pair_averaging":
-            _check_same_steps(self.params.get("steps"))  # pair averaging waits for no one's step
+            steps = self.params.get("steps")
+            _check_same_steps(steps)  # pair averaging waits for no one's step
+            self._check_epochs = steps is None and _lib.size() > 1
         self._broadcast_once()
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._check_epochs:
+            self._epoch_start = int(self.model.optimizer.iterations)
 
     def on_train_batch_begin(self, batch, logs=None):
         if not self._done:  # the model was built by fit's first step
             self._broadcast_once()
+
+    def on_epoch_end(self, epoch, logs=None):
+        # Steps taken, from the optimizer: Keras calls on_train_batch_begin once more for the fetch that
+        # finds a dataset of unknown length exhausted.
+        if self._check_epochs:
+            _check_same_epoch_end(int(self.model.optimizer.iterations) - self._epoch_start, epoch)
 
     def on_train_end(self, logs=None):
         if not self._done:  # a fit of one step
@@ -84,6 +103,25 @@ def _seed_states(model):
             if isinstance(g, keras.random.SeedGenerator):
                 ids.add(id(g.state))
     return ids
+
+
+def _check_same_epoch_end(steps, epoch):
+    """ValueError unless every worker's epoch ended after the same number of batches. A worker whose data
+    ran out first waits here while the others take their extra steps (waiting for its gradients): both
+    sides fail at the timeout, and this side says why."""
+    from ...ops import all_gather
+
+    try:
+        counts = [int(c) for c in all_gather(tf.constant([steps], tf.int64), name="kungfu/epoch_steps").numpy()]
+    except tf.errors.DeadlineExceededError as e:
+        raise ValueError(f"model.fit: this worker's epoch {epoch} ended after {steps} steps, and another worker's "
+                         "did not end with it (it still trained, waiting for this worker's gradients): the workers' "
+                         "datasets, of unknown length, gave them different numbers of batches. Give each worker "
+                         "the same number (e.g. kungfu.data.AdaptiveDataset, or take() the same count)") from e
+    if len(set(counts)) > 1:
+        shown = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
+        raise ValueError(f"model.fit: the workers' epoch {epoch} ended after different numbers of steps ({shown}); "
+                         "give each worker the same number of batches")
 
 
 def _check_same_steps(steps):
