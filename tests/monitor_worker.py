@@ -13,6 +13,8 @@ model on its own random data with SynchronousSGDOptimizer(monitor=[...]):
 - workers_agree: latest()'s gns, grad_variance and snr are bit-identical on every worker;
 - fit_with_monitor_callback: model.fit with MonitorCallback logs gns and grad_variance per epoch, the
   same on every worker;
+- interval_reads_the_batch_size_of_an_adaptive_dataset_in_fit: monitor_interval=2 in model.fit over a
+  kungfu.data.AdaptiveDataset, whose batch size variable the monitors follow;
 - interval_runs_every_k_steps_without_retrace: with monitor_interval=3 the monitors change only at
   steps 0, 3, 6, ..., a batch size change included, and the step is traced once;
 - collective_stats_count_each_collective: kungfu.monitor.collective_stats() counts each collective of
@@ -172,6 +174,26 @@ def fit_with_monitor_callback():
         raise AssertionError(f"History: {history}")
     if not bool(kungfu.consensus(values)):
         raise AssertionError(f"workers logged different monitor values: {values.tolist()}")
+
+
+@CHECKS.append
+def interval_reads_the_batch_size_of_an_adaptive_dataset_in_fit():
+    """monitor_interval=2 with local_batch_size=ds.local_batch_size_variable: the first due step must read
+    the size of the batch it pulled (it read the variable's initial 0 once, and the op refused b=0)."""
+    n = kungfu.size()
+    rng = np.random.RandomState(3)  # the same data everywhere: the dataset shards it
+    x = rng.normal(size=(40 * n, FEATURES)).astype(np.float32)
+    y = rng.randint(0, CLASSES, size=len(x)).astype(np.int64)
+    ds = kungfu.data.AdaptiveDataset((x, y), global_batch_size=4 * n, seed=1)
+    opt = kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.05), monitor=["gns", "variance"],
+                                                    monitor_interval=2, local_batch_size=ds.local_batch_size_variable)
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((FEATURES,)), keras.layers.Dense(CLASSES)])
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(ds.as_dataset(), epochs=1, shuffle=False, verbose=0, callbacks=[ds.keras_callback()])
+    m = opt._kungfu.monitors
+    if m.update_count() != 5 or not float(m.read("grad_variance").numpy()) > 0:
+        raise AssertionError(f"{m.update_count()} updates in 10 steps, grad_variance {m.read('grad_variance')}")
 
 
 @CHECKS.append

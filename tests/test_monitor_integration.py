@@ -22,7 +22,8 @@ pytestmark = pytest.mark.usefixtures("kungfu_library")
 WORKER = os.path.join(REPO, "tests", "monitor_worker.py")
 MP_CHECKS = ["gns_matches_reference", "gns_matches_reference_with_a_sparse_gradient",
              "gns_matches_reference_under_a_loss_scale", "workers_agree",
-             "fit_with_monitor_callback", "interval_runs_every_k_steps_without_retrace",
+             "fit_with_monitor_callback", "interval_reads_the_batch_size_of_an_adaptive_dataset_in_fit",
+             "interval_runs_every_k_steps_without_retrace",
              "collective_stats_count_each_collective"]
 
 

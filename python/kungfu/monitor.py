@@ -201,8 +201,12 @@ class Monitors:
         """On due steps, the monitors from the workers' mean squared norm and the all-reduced gradients
         (or their squared norm, reduced_sq, when the all-reduce gave it)."""
 
+        # Read outside the tf.cond, after the gradients, as with monitor_interval=1: read inside the
+        # branch, the first due step of model.fit over an AdaptiveDataset saw the batch size variable
+        # from before its batch was pulled (0), and the gns op refused it.
+        b = self._batch_after([mean_local_sq])
+
         def run():
-            b = self._batch_after([mean_local_sq])
             b_big = tf.cast(_lib.size(), tf.float32) * b
             big_sq = _ops.squared_norm(reduced_grads) if reduced_sq is None else reduced_sq
             (local_sq, big_sq), valid = self._unscaled(mean_local_sq, big_sq)
