@@ -251,3 +251,19 @@ def test_fingerprint_sees_any_sample_of_a_small_array_and_spreads_over_a_large_o
         z = x.copy()
         z[i] += 1
         assert _dataset._fingerprint([x]) != _dataset._fingerprint([z]), i
+
+
+def test_a_map_added_after_as_dataset_reads_nothing_ahead():
+    """tf.data makes a stateless map parallel by default (map_parallelization), and a parallel map reads
+    ahead: as_dataset() turns that off for what follows it, so a change still lands at the next batch."""
+    ds = kungfu.data.AdaptiveDataset(np.arange(100, dtype=np.float32)[:, None], global_batch_size=10,
+                                     shuffle=False)
+    mapped = ds.as_dataset().map(lambda a: a * 2.0)
+    assert mapped.options().experimental_optimization.map_parallelization is False
+    sizes = []
+    for step, batch in enumerate(mapped):
+        sizes.append(int(batch.shape[0]))
+        assert ds.progress()[0] == step + 1, f"step {step}: the dataset handed out {ds.progress()[0]} batches"
+        if step == 1:
+            ds.set_batch_size(40)
+    assert sizes == [10, 10, 40, 40], sizes

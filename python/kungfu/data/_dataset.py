@@ -166,6 +166,9 @@ class AdaptiveDataset:
         ds = tf.data.Dataset.from_generator(self._generate, output_signature=self.element_spec)
         options = tf.data.Options()
         options.experimental_optimization.inject_prefetch = False  # on by default: it would read ahead
+        # Also on by default: it makes a stateless map the user adds after this one parallel, which reads
+        # ahead (tested: batches lost and a batch-size change landing late). Options pass downstream.
+        options.experimental_optimization.map_parallelization = False
         return ds.with_options(options)
 
     def keras_callback(self):
