@@ -208,7 +208,8 @@ class SizeOneTest(tf.test.TestCase):
 
     def test_argument_errors(self):
         x = tf.ones([2])
-        with self.assertRaisesRegex(ValueError, "op must be one of sum, mean, min, max, prod; got 'avg'"):
+        with self.assertRaisesRegex(ValueError, "op must be one of sum, mean, min, max, prod; got 'avg' "
+                                                "\\(Horovod's Average is op=\"mean\" here"):
             kungfu.all_reduce(x, op="avg")
         with self.assertRaisesRegex(ValueError, "op must be one of"):
             kungfu.group_all_reduce([x], op=None)

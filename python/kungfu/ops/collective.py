@@ -38,7 +38,10 @@ _no_autograph = tf.autograph.experimental.do_not_convert
 
 def _reduce_op(op, what):
     if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
-        raise ValueError(f"{what}: op must be one of {', '.join(REDUCE_OPS)}; got {op!r}")
+        hint = ""
+        if isinstance(op, str) and op.lower() in ("average", "avg"):
+            hint = " (Horovod's Average is op=\"mean\" here; the default op is \"sum\")"
+        raise ValueError(f"{what}: op must be one of {', '.join(REDUCE_OPS)}; got {op!r}{hint}")
     return op.lower()
 
 
