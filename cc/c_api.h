@@ -22,7 +22,8 @@ int kungfu_size(void);
 /* Tells the peers that this worker starts no collective but the finalize barrier, which it calls next
  * (Engine::Finalizing). Does nothing without an engine. */
 void kungfu_finalizing(void);
-/* 1 when a collective of this worker has failed at its deadline (Engine::TimedOut), else 0. */
+/* 1 when a collective of this worker has failed at its deadline and none has completed since
+ * (Engine::TimedOut), else 0. */
 int kungfu_timed_out(void);
 /* Waits for in-flight work (bounded by the timeout) and stops the engine. Safe to call twice. */
 int kungfu_finalize(void);

@@ -82,8 +82,8 @@ class Engine {
   // worker joins). Peers hear how many it started before: one waiting in a collective that this worker
   // never started (it left its training loop early) fails at once, naming it, instead of at its timeout.
   void Finalizing();
-  // Whether a collective of this engine has failed at its deadline: a peer stalled (or is far behind),
-  // and it would hold a finalize barrier for another whole deadline too.
+  // Whether the last collective of this engine to time out did so after the last one to complete: a peer
+  // stalled (or is far behind), and it would hold a finalize barrier for another whole deadline too.
   bool TimedOut() const;
 
   int rank() const;

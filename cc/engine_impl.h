@@ -115,7 +115,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   std::thread acceptor_;
   std::atomic<bool> stopping_{false};
   std::atomic<bool> leave_cleanly_{false};  // say goodbye at shutdown (LeaveCleanly)
-  std::atomic<bool> timed_out_{false};      // a collective failed at its deadline (Engine::TimedOut)
+  std::atomic<bool> timed_out_{false};      // a collective failed at its deadline since the last success
   bool loop_started_ = false;  // set by Start once the loop thread runs
 
   // Loop thread state.

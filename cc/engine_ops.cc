@@ -139,6 +139,7 @@ void Engine::Impl::Finish(std::map<Key, ActiveOp>::iterator it, const Status& s)
   collective_stats_.Record(op->name(), s.ok(), op->bytes_sent, op->bytes_received, latency.count());
   if (s.ok()) {
     ++stats_.completed;
+    timed_out_ = false;  // a collective that completes after a timeout: the worker has recovered
     op->done()(s);
   } else {
     ++stats_.failed;

@@ -92,13 +92,18 @@ class Broadcast : public Op {
 
   std::string Progress() const override {
     if (r_ == root_) {
-      std::vector<int> missing;  // the star's workers that have not acknowledged; the chain's last one
-      for (int r = 0; r < n_; ++r) {
-        const bool expected = chain_ ? (r + 1) % n_ == root_ : r != root_;
-        if (expected && (r >= static_cast<int>(acked_.size()) || !acked_[r])) missing.push_back(r);
+      const std::string got =
+          "received " + std::to_string(acks_) + " of " + std::to_string(ExpectedAcks()) + " acknowledgements";
+      if (acks_ == ExpectedAcks()) return got + "; sending the commit";
+      if (chain_) {  // only the chain's end acknowledges, once every rank before it has forwarded the data
+        return got + "; waiting for the end of the chain, rank " + std::to_string((root_ + n_ - 1) % n_) +
+               " (any rank along the chain may be the one holding it up)";
       }
-      return "received " + std::to_string(acks_) + " of " + std::to_string(ExpectedAcks()) +
-             " acknowledgements; waiting for " + RankList(missing);
+      std::vector<int> missing;
+      for (int r = 0; r < n_; ++r) {
+        if (r != root_ && (r >= static_cast<int>(acked_.size()) || !acked_[r])) missing.push_back(r);
+      }
+      return got + "; waiting for " + RankList(missing);
     }
     if (HaveData()) return "waiting for the root's commit";
     return "received " + std::to_string(received_) + " of " + std::to_string(count_) + " elements from rank " +

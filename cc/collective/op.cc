@@ -42,6 +42,7 @@ int KindOf(Algo a) {
 }  // namespace
 
 std::string RankList(const std::vector<int>& ranks) {
+  if (ranks.empty()) return "no rank";
   std::string out = ranks.size() == 1 ? "rank " : "ranks ";
   const size_t shown = std::min<size_t>(ranks.size(), 8);
   for (size_t i = 0; i < shown; ++i) out += (i ? ", " : "") + std::to_string(ranks[i]);

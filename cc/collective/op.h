@@ -87,7 +87,8 @@ Status CheckSameKind(const PeerList& peers, int src, Algo theirs, Algo mine);
 Status CheckAgreement(const PeerList& peers, int src, const FrameHeader& h, const FrameShape& s,
                       const char* aux_name);
 
-// "rank 2", "ranks 1, 3" (the first 8, then "and N more"), for what a collective still waits for.
+// "rank 2", "ranks 1, 3" (the first 8, then "and N more"; "no rank" for none), for what a collective
+// still waits for.
 std::string RankList(const std::vector<int>& ranks);
 
 // Chunk j of n over count elements: [ChunkBegin(j), ChunkBegin(j + 1)).

@@ -240,6 +240,11 @@ TEST(Errors, StalledPeerIsDeadlineExceeded) {
   EXPECT_TRUE(s.message().find("stall") != std::string::npos);
   EXPECT_EQ(engines[0]->TimedOut(), true);  // kungfu.finalize then skips its barrier
   EXPECT_EQ(engines[1]->TimedOut(), false);
+  RunRanks(n, [&](int r) {  // a collective that completes afterwards: recovered
+    std::vector<float> ok(4, 1.f);
+    EXPECT_OK(engines[r]->AllReduceSync(ok.data(), ok.data(), ok.size(), DType::kFloat32, ReduceOp::kSum, "ok"));
+  });
+  EXPECT_EQ(engines[0]->TimedOut(), false);
 }
 
 // A deadline's message names the workers a collective still waits for: rank 2 of 3 never joins. The star

@@ -165,7 +165,9 @@ def finalize():
     The wait keeps this worker's engine serving its peers until all are done: pair averaging
     fetches models from peers' stores, and a worker that finished its steps first must not vanish
     under the others. It is bounded by the timeout (KUNGFU_TIMEOUT), ends at once when a peer has
-    died, and is skipped when the process is exiting on an uncaught exception. After it, the
+    died, and is skipped when the process is exiting on an uncaught exception or when this worker's
+    last collective to time out did so after its last one to complete (a stalled peer would hold the
+    wait for another whole timeout). After it, the
     engine says goodbye to its peers, so one still finishing the wait does not take this worker's
     exit for a failure; without it (a failed or skipped wait), peers see a closed connection.
     """
