@@ -245,6 +245,7 @@ def test_warmup_callback_hands_over_to_a_schedule_when_it_ends():
     model.fit(x, y, batch_size=16, epochs=4, callbacks=[warmup, schedule, record], verbose=0)
     ramp = [0.1 + 0.3 * i / 8 for i in range(8)]
     assert record.rates == pytest.approx(ramp + [0.02] * 8)
+    assert "on_train_batch_end" not in vars(callbacks.LearningRateWarmupCallback)  # Keras's async dispatch stays
 
 
 def test_warmup_callback_happens_once_and_not_when_fit_starts_past_it():

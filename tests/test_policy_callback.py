@@ -65,6 +65,8 @@ def test_policy_callback_given_to_later_fits_goes_on_counting_and_forgets_the_st
     assert float(opt.learning_rate.numpy()) == pytest.approx(0.01)  # epoch 2's entry, not entry 0 again
     model.fit(x, y, batch_size=4, initial_epoch=4, epochs=5, verbose=0, callbacks=[cb])  # numbered by Keras
     assert [e for h, s, e in recorder.calls if h == "before_epoch"][-1] == 4
+    model.fit(x, y, batch_size=4, initial_epoch=1, epochs=2, verbose=0, callbacks=[cb])  # taken as given
+    assert [e for h, s, e in recorder.calls if h == "before_epoch"][-1] == 1
 
 
 def test_policy_callback_stops_fit_for_a_policy_compiled_into_the_optimizer():

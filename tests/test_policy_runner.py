@@ -365,6 +365,7 @@ class LowerRateUnderSma(BasePolicy):
     compilable = True
 
     def after_step(self, ctx):
+        ctx.set_learning_rate(0.5, when=ctx.math.any(ctx.strategy == "bogus", ctx.strategy == None))  # noqa: E711
         ctx.set_learning_rate(0.01, when=ctx.strategy == "sma")
         ctx.set_learning_rate(0.02, when=ctx.math.all(ctx.strategy != "sma", ctx.is_strategy("ssgd")))
         ctx.set_strategy(ctx.strategy)  # a reading given back as is keeps the strategy

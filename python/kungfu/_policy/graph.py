@@ -167,6 +167,8 @@ class _Strategy:
         self.index = index
 
     def __eq__(self, other):
+        if other is None or (isinstance(other, str) and other not in STRATEGIES):
+            return tf.constant(False)  # as "sma" == None or == "bogus" is in Python
         return tf.equal(self.index, _strategy_index(other))
 
     def __ne__(self, other):
@@ -284,7 +286,8 @@ def _lr_settable(controls):
 
 
 def _naming_the_policy(error, policy):
-    """error (a KeyError or TypeError from a compiled policy's trace), of the same type, naming the policy."""
+    """error (a KeyError or TypeError from a compiled policy's trace), of the same type, naming the policy;
+    None when that type cannot be made from a message."""
     said = error.args[0] if isinstance(error, KeyError) and error.args else str(error)
     if isinstance(error, tf.errors.OperatorNotAllowedInGraphError):
         said += (" -- a compiled policy's after_step must be branch-free: no Python if, while or bool() on a "
@@ -293,7 +296,7 @@ def _naming_the_policy(error, policy):
     try:
         return type(error)(f"policy {policy.name}, compiled into the graph: {said}")
     except TypeError:  # an exception class with another constructor: keep it as it is
-        return error
+        return None
 
 
 class CompiledPolicies:
@@ -356,7 +359,10 @@ class CompiledPolicies:
                 try:
                     p.after_step(GraphContext(self, step, key))
                 except (KeyError, TypeError) as e:  # TypeError: OperatorNotAllowedInGraphError (an `if`) too
-                    raise _naming_the_policy(e, p) from e
+                    named = _naming_the_policy(e, p)
+                    if named is None:
+                        raise
+                    raise named from e
                 return tf.constant(True)
 
             with tf.control_dependencies([done]):

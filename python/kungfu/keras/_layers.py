@@ -27,7 +27,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     all-reduce, and normalises with the global mean and variance: what one process would compute on
     the concatenation of the workers' batches (as Horovod's hvd.SyncBatchNormalization). The moving
     mean and variance then stay equal on every worker. Gradients flow through the all-reduce, so with
-    DistributedOptimizer's averaged gradients training equals one process on the global batch. Inference
+    DistributedOptimizer's averaged gradients training equals one process on the global batch when the
+    workers' batches are equal (Keras averages each worker's loss over its own batch; the statistics are
+    the global batch's whatever the sizes). Inference
     uses the moving statistics and communicates nothing.
 
     Takes BatchNormalization's arguments, except synchronized=True (that one is tf.distribute's own

@@ -39,8 +39,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         super().__init__()
         self.root = root
         self._done = False
-        self._check_epochs = False  # compare each epoch's steps (fit did not know the count)
-        self._epoch_start = 0  # the optimizer's iterations when the epoch began
+        self._check_epochs = False  # compare each epoch's batches (fit did not know the count)
+        self._batches = 0  # on_train_batch_begin calls in this epoch
 
     def on_train_begin(self, logs=None):
         _lib.require_init("BroadcastGlobalVariablesCallback")
@@ -56,18 +56,19 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._broadcast_once()
 
     def on_epoch_begin(self, epoch, logs=None):
-        if self._check_epochs:
-            self._epoch_start = int(self.model.optimizer.iterations)
+        self._batches = 0
 
     def on_train_batch_begin(self, batch, logs=None):
+        self._batches += 1
         if not self._done:  # the model was built by fit's first step
             self._broadcast_once()
 
     def on_epoch_end(self, epoch, logs=None):
-        # Steps taken, from the optimizer: Keras calls on_train_batch_begin once more for the fetch that
-        # finds a dataset of unknown length exhausted.
+        # Batches begun, which workers with the same data count alike (Keras begins one more for the fetch
+        # that finds a dataset of unknown length exhausted). Not the optimizer's iterations: a loss-scale
+        # optimizer skips those of an overflowing step, which under SMA is one worker's own.
         if self._check_epochs:
-            _check_same_epoch_end(int(self.model.optimizer.iterations) - self._epoch_start, epoch)
+            _check_same_epoch_end(self._batches, epoch)
 
     def on_train_end(self, logs=None):
         if not self._done:  # a fit of one step
@@ -105,22 +106,22 @@ def _seed_states(model):
     return ids
 
 
-def _check_same_epoch_end(steps, epoch):
-    """ValueError unless every worker's epoch ended after the same number of batches. A worker whose data
-    ran out first waits here while the others take their extra steps (waiting for its gradients): both
-    sides fail at the timeout, and this side says why."""
+def _check_same_epoch_end(batches, epoch):
+    """ValueError unless every worker's epoch began the same number of batches. A worker whose data ran out
+    first waits here while the others take their extra steps (waiting for its gradients): both sides fail
+    at the timeout (or this one when the other, timed out first, has gone), and this side says why."""
     from ...ops import all_gather
 
     try:
-        counts = [int(c) for c in all_gather(tf.constant([steps], tf.int64), name="kungfu/epoch_steps").numpy()]
-    except tf.errors.DeadlineExceededError as e:
-        raise ValueError(f"model.fit: this worker's epoch {epoch} ended after {steps} steps, and another worker's "
-                         "did not end with it (it still trained, waiting for this worker's gradients): the workers' "
-                         "datasets, of unknown length, gave them different numbers of batches. Give each worker "
-                         "the same number (e.g. kungfu.data.AdaptiveDataset, or take() the same count)") from e
+        counts = [int(c) for c in all_gather(tf.constant([batches], tf.int64), name="kungfu/epoch_steps").numpy()]
+    except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
+        raise ValueError(f"model.fit: this worker's epoch {epoch} ran out of data, and another worker's did not end "
+                         "with it (it still trained, waiting for this worker's gradients): the workers' datasets, of "
+                         "unknown length, gave them different numbers of batches. Give each worker the same number "
+                         "(e.g. kungfu.data.AdaptiveDataset, or take() the same count)") from e
     if len(set(counts)) > 1:
         shown = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
-        raise ValueError(f"model.fit: the workers' epoch {epoch} ended after different numbers of steps ({shown}); "
+        raise ValueError(f"model.fit: the workers' epoch {epoch} began different numbers of batches ({shown}); "
                          "give each worker the same number of batches")
 
 

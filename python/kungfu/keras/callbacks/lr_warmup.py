@@ -87,10 +87,11 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
         self.model.optimizer.learning_rate = self._rate_at(at)
         self._next = at + 1 / self._steps
 
-    def on_train_batch_end(self, batch, logs=None):
-        # The warm-up's last batch: the rate reaches initial_lr now, not at the next batch's start, which
-        # comes after the next epoch's on_epoch_begin, where a schedule (LearningRateScheduler) may have
-        # set the rate it wants from then on.
+    def on_epoch_end(self, epoch, logs=None):
+        # A warm-up that ends with this epoch reaches initial_lr now, not at the next batch's start, which
+        # comes after the next epoch's on_epoch_begin, where a schedule (LearningRateScheduler) may have set
+        # the rate it wants from then on. (Not in on_train_batch_end: overriding that would make Keras run
+        # every step synchronously. One that ends mid-epoch ends at the next batch's start.)
         if self._ramping and not self._finished and self._next >= self.warmup_epochs - _EPS:
             self.model.optimizer.learning_rate = self.initial_lr
             self._finished = True

@@ -73,8 +73,8 @@ class PolicyCallback(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         runner = self._runner()
-        if self._epoch_offset is None:  # this fit's first epoch: one that starts again from 0 goes on counting
-            self._epoch_offset = max(0, runner.epoch - epoch)
+        if self._epoch_offset is None:  # this fit's first epoch: one that starts again from 0 goes on counting;
+            self._epoch_offset = runner.epoch if epoch == 0 else 0  # initial_epoch= is taken as given
         runner.before_epoch(epoch + self._epoch_offset, logs)
 
     def on_train_batch_begin(self, batch, logs=None):
