@@ -104,6 +104,11 @@ class DistributedMixin:
         policies = self._kungfu.policies
         return policies is not None and bool(policies.stop_flag.numpy())
 
+    def _forget_policy_stop(self):
+        """A new model.fit starts (PolicyCallback.on_train_begin): a stop asked for in an earlier one is done with."""
+        if self._kungfu.policies is not None:
+            self._kungfu.policies.stop_flag.assign(False)
+
     @property
     def sma_alpha(self):
         return self._kungfu.alpha

@@ -47,15 +47,9 @@ class PolicyCallback(keras.callbacks.Callback):
             self.runner = PolicyRunner(a.pop("policies"), **a)
         return self.runner
 
-    def _compiled_stop_flag(self):
-        """The stop flag of the policies compiled into the runner's optimizer, or None."""
-        settings = getattr(self.runner.controls.optimizer, "_kungfu", None)
-        policies = getattr(settings, "policies", None)
-        return policies.stop_flag if policies is not None else None
-
     def _stop_if_asked(self):
-        flag = self._compiled_stop_flag()
-        if self.runner.stopped or (flag is not None and bool(flag.numpy())):
+        # policy_stopped: a policy compiled into a kungfu optimizer asked (plain optimizers lack it).
+        if self.runner.stopped or getattr(self.runner.controls.optimizer, "policy_stopped", False):
             self.model.stop_training = True
 
     def on_train_begin(self, logs=None):
@@ -65,9 +59,9 @@ class PolicyCallback(keras.callbacks.Callback):
                              "count steps wrong and could act only between groups")
         self._epoch_offset = None
         runner = self._runner()
-        flag = self._compiled_stop_flag()
-        if flag is not None:
-            flag.assign(False)  # a new fit: an earlier fit's stop is done with
+        forget = getattr(runner.controls.optimizer, "_forget_policy_stop", None)
+        if forget is not None:
+            forget()
         runner.before_train(logs)
         self._stop_if_asked()
 
