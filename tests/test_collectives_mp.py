@@ -22,6 +22,7 @@ from mp import assert_checks_passed, launch
 pytestmark = pytest.mark.usefixtures("kungfu_library")  # fails, naming the fix, when it is not built
 
 WORKER = os.path.join(REPO, "tests", "collectives_worker.py")
+FAILURES = os.path.join(REPO, "tests", "failures_worker.py")
 CHECKS = ["all_reduce_values_eager", "all_reduce_values_in_one_function", "group_all_reduce_values",
           "group_all_reduce_with_norms_values",
           "broadcast_from_every_root", "all_gather_differing_first_dims", "python_objects", "barrier_and_consensus",
@@ -32,14 +33,14 @@ CHECKS = ["all_reduce_values_eager", "all_reduce_values_in_one_function", "group
 
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
 def test_collectives(np_, tmp_path):
-    code, out = launch(np_, [WORKER, "checks"], tmp_path, timeout=30, budget=240)
+    code, out = launch(np_, [WORKER], tmp_path, timeout=30, budget=240)
     assert_checks_passed(code, out, CHECKS, np_)
 
 
 def test_peer_killed_mid_collective(tmp_path):
     timeout = 20
     start = time.monotonic()
-    _, out = launch(3, [WORKER, "kill"], tmp_path, timeout=timeout, budget=120)
+    _, out = launch(3, [FAILURES, "kill"], tmp_path, timeout=timeout, budget=120)
     reports = {}
     for line in out.splitlines():
         m = re.match(r"^\[(\d+)\] KFKILL (.*)$", line)
@@ -57,7 +58,7 @@ def test_peer_killed_mid_collective(tmp_path):
 
 
 def test_finalized_peer_is_named_as_having_left(tmp_path):
-    code, out = launch(3, [WORKER, "leave"], tmp_path, timeout=20, budget=120)
+    code, out = launch(3, [FAILURES, "leave"], tmp_path, timeout=20, budget=120)
     assert code == 0, out[-4000:]
     reports = {}
     for line in out.splitlines():
@@ -75,7 +76,7 @@ def test_worker_that_exits_early_fails_its_peers_at_once(tmp_path):
     """sys.exit(3) on rank 1 while the others wait in a collective: they fail within seconds, not at the
     60 s timeout, and kfrun exits with rank 1's code."""
     start = time.monotonic()
-    code, out = launch(3, [WORKER, "exit"], tmp_path, timeout=60, budget=120)
+    code, out = launch(3, [FAILURES, "exit"], tmp_path, timeout=60, budget=120)
     reports = {}
     for line in out.splitlines():
         m = re.match(r"^\[(\d+)\] KFEXIT (.*)$", line)
@@ -93,7 +94,7 @@ def test_worker_that_exits_early_fails_its_peers_at_once(tmp_path):
 def test_a_worker_whose_collective_timed_out_does_not_wait_for_the_stalled_peer_again(tmp_path):
     """Rank 1 stalls: rank 0's all-reduce fails at the 4 s timeout naming it, and rank 0's finalize skips
     the barrier (the stalled peer would hold it another 4 s); kfrun then stops rank 1 as stalled."""
-    code, out = launch(2, [WORKER, "stall"], tmp_path, timeout=4, budget=90)
+    code, out = launch(2, [FAILURES, "stall"], tmp_path, timeout=4, budget=90)
     m = re.search(r"^\[0\] KFSTALL (.*)$", out, re.M)
     assert m, out[-4000:]
     report = json.loads(m.group(1))

@@ -1,0 +1,231 @@
+"""How collectives meet across workers: mismatched shapes, dtypes and kinds fail on every worker, a
+rank-dependent order in one tf.function completes, independent collectives are in flight together, unused
+and identical ones run, and threads take turns. Run by tests/collectives_worker.py with its own checks.
+"""
+
+import threading
+import time
+
+import numpy as np
+import tensorflow as tf
+
+import kungfu
+from kungfu import _lib
+from collective_values import assert_equal, data, expected_reduce
+
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def invalid_argument_problem(fn, *words):
+    """None when fn raises InvalidArgumentError whose message has every word; else what went wrong."""
+    try:
+        fn()
+    except tf.errors.InvalidArgumentError as e:
+        missing = [w for w in words if w not in e.message]
+        return f"message lacks {missing}: {e.message}" if missing else None
+    except tf.errors.OpError as e:
+        return f"{type(e).__name__} instead of InvalidArgumentError: {e.message}"
+    return "no error"
+
+
+@check
+def mismatches_fail_on_every_worker():
+    rank, size = kungfu.rank(), kungfu.size()
+    if size == 1:
+        return
+    odd = rank == 1  # rank 1 disagrees with the others
+
+    @tf.function
+    def group(x):
+        return kungfu.group_all_reduce([x, x], name="mm/group")
+
+    cases = {  # every rank runs every case, whatever happened in the previous ones
+        "all_reduce count": (lambda: kungfu.all_reduce(np.zeros([5 if odd else 4], np.float32), name="mm/count"),
+                             ["mm/count"]),
+        "all_reduce dtype": (lambda: kungfu.all_reduce(np.zeros([4], np.float64 if odd else np.float32),
+                                                       name="mm/dtype"), ["mm/dtype"]),
+        "all_gather dims": (lambda: kungfu.all_gather(np.zeros([2, 4 if odd else 3], np.float32), name="mm/ag"),
+                            ["mm/ag", "rank 1 has float[2,4]"]),
+        # Shapes that differ beyond the dimensions a message lists (eight after the first) say so.
+        "all_gather deep dims": (lambda: kungfu.all_gather(np.zeros([1] * 10 + [3 if odd else 2], np.float32),
+                                                           name="mm/agdeep"), ["after the first 9"]),
+        "all_gather dtype": (lambda: kungfu.all_gather(np.zeros([2], np.int64 if odd else np.int32),
+                                                       name="mm/agtype"), ["int64"]),
+        "group in function": (lambda: group(tf.zeros([3 if odd else 2])), ["mm/group"]),
+        # Lists that the fusion plan cuts into other parts (a dtype, a length): the parts meet by their
+        # place in the plan and every part's signature covers the whole group, so this fails at once too.
+        "group dtype": (lambda: kungfu.group_all_reduce([tf.zeros([2], tf.float64 if odd else tf.float32),
+                                                         tf.zeros([3])], name="mm/gdtype"), ["mm/gdtype"]),
+        "group length": (lambda: kungfu.group_all_reduce([tf.zeros([2])] * (3 if odd else 2), fusion_bytes=0,
+                                                         name="mm/glen"), ["mm/glen"]),
+        "broadcast count": (lambda: kungfu.broadcast(np.zeros([3 if odd else 2], np.int32), name="mm/bcast"),
+                            ["mm/bcast"]),
+        # Same number of elements, another shape: caught by the shape signature in every frame.
+        "all_reduce shape": (lambda: kungfu.all_reduce(np.zeros([3, 2] if odd else [2, 3], np.float32),
+                                                       name="mm/shape"), ["mm/shape", "another shape"]),
+        "broadcast shape": (lambda: kungfu.broadcast(np.zeros([6] if odd else [2, 3], np.int32), name="mm/bshape"),
+                            ["mm/bshape", "another shape"]),
+        # One-byte dtypes travel as the same bytes: the signature carries the TF dtype too (a bool tensor
+        # must never receive a uint8's 255).
+        "broadcast byte dtype": (lambda: kungfu.broadcast(np.zeros([3], np.bool_ if odd else np.uint8),
+                                                          name="mm/bbytes"), ["mm/bbytes", "dtype"]),
+        # One name for two collectives: all_gather's first step (the shapes) runs under the name itself.
+        "all_gather against all_reduce": (lambda: (kungfu.all_gather if odd else kungfu.all_reduce)(
+            np.zeros([2], np.float32), name="mm/kind"), ["mm/kind", "two different collectives"]),
+    }
+    problems = []
+    for what, (fn, words) in cases.items():
+        problem = invalid_argument_problem(fn, *words)
+        if problem:
+            problems.append(f"{what} on rank {rank}: {problem}")
+        kungfu.barrier(name=f"mm/after/{what}")
+    assert_equal(kungfu.all_reduce(np.ones([3], np.float32), name="mm/after"), np.full([3], size, np.float32),
+                 "a collective after the mismatches")
+    if problems:
+        raise AssertionError("; ".join(problems))
+
+
+@check
+def rank_dependent_order_in_one_function():
+    rank, size = kungfu.rank(), kungfu.size()
+    order = np.random.RandomState(rank + 1).permutation(20)
+    xs = [tf.constant(data(rank, [k + 1], tf.float32, salt=k)) for k in range(20)]
+
+    @tf.function
+    def f(xs):
+        out = [None] * 20
+        for k in order:  # traced in a different order on every rank
+            kind = k % 4
+            if kind == 0:
+                out[k] = kungfu.all_reduce(xs[k], name=f"perm/{k}")
+            elif kind == 1:
+                out[k] = kungfu.broadcast(xs[k], root=k % size, name=f"perm/{k}")
+            elif kind == 2:
+                out[k] = kungfu.all_gather(xs[k], name=f"perm/{k}")
+            else:
+                out[k] = tf.cast(kungfu.consensus(xs[k], name=f"perm/{k}"), tf.float32)
+        return out
+
+    for _ in range(2):
+        for k, y in enumerate(f(xs)):
+            kind, shape = k % 4, [k + 1]
+            if kind == 0:
+                want = expected_reduce(shape, tf.float32, "sum", size, salt=k)
+            elif kind == 1:
+                want = data(k % size, shape, tf.float32, salt=k)
+            elif kind == 2:
+                want = np.concatenate([data(r, shape, tf.float32, salt=k) for r in range(size)])
+            else:
+                want = np.float32(size == 1)
+            assert_equal(y, want, f"perm/{k}")
+
+
+def late_start(fn, *args):
+    """Runs fn with the last rank 0.5 s late, so the others' collectives wait in flight meanwhile."""
+    kungfu.barrier()
+    _lib.reset_engine_stats()
+    if kungfu.rank() == kungfu.size() - 1:
+        time.sleep(0.5)
+    result = fn(*args)
+    return result, _lib.engine_stats()
+
+
+@check
+def independent_collectives_run_together():
+    rank, size = kungfu.rank(), kungfu.size()
+    if size == 1:
+        return  # at size 1 a collective completes at once: nothing to overlap
+
+    @tf.function
+    def eight(x):
+        return [kungfu.all_reduce(x * i) for i in range(8)]
+
+    @tf.function
+    def mixed(x):
+        kungfu.barrier()
+        # Every collective waits for the late rank (the broadcast has it as root).
+        return (kungfu.all_reduce(x), kungfu.broadcast(x, root=kungfu.size() - 1), kungfu.consensus(x),
+                kungfu.group_all_reduce([x, x]))
+
+    x = tf.ones([1000])
+    ys, stats = late_start(eight, x)
+    for i, y in enumerate(ys):
+        assert_equal(y, np.full([1000], i * size, np.float32), f"eight #{i}")
+    if rank != size - 1 and stats["max_in_flight"] < 8:
+        raise AssertionError(f"8 independent all-reduces: max_in_flight {stats['max_in_flight']} < 8; they ran "
+                             f"one after another ({stats})")
+    _, stats = late_start(mixed, x)
+    if rank != size - 1 and stats["max_in_flight"] < 5:
+        raise AssertionError(f"5 independent collectives of 4 kinds: max_in_flight {stats['max_in_flight']} < 5")
+
+
+@check
+def unused_and_identical_collectives_run():
+    size = kungfu.size()
+
+    @tf.function
+    def unused(x):
+        kungfu.all_reduce(x)  # the result is dropped
+        return tf.constant(0)
+
+    @tf.function
+    def identical(x):
+        return kungfu.all_reduce(x) + kungfu.all_reduce(x)
+
+    before = _lib.engine_stats()
+    unused(tf.ones([4]))
+    after = _lib.engine_stats()
+    assert after["started"] - before["started"] == 1, f"unused: started {before} -> {after}"
+    assert after["completed"] - before["completed"] == 1, f"unused: completed {before} -> {after}"
+    assert_equal(identical(tf.ones([4])), np.full([4], 2 * size, np.float32), "identical")
+    assert _lib.engine_stats()["started"] - after["started"] == 2, "identical: both calls started"
+
+
+@check
+def eager_collectives_from_several_threads():
+    """Eager collectives wait on their own thread, driving the engine there; several Python threads doing
+    so at once (started in a rank-dependent order) take turns, while a tf.function's collectives, which
+    never block, run beside them."""
+    rank, size = kungfu.rank(), kungfu.size()
+    threads, iters = 3, 20
+    errors = []
+
+    def eager(t):
+        try:
+            for i in range(iters):
+                x = tf.fill([1 + 50 * t], float((rank + 1) * (t + 1)))
+                got = kungfu.all_reduce(x, name=f"threads/{t}")
+                assert_equal(got, np.full([1 + 50 * t], (t + 1) * size * (size + 1) / 2, np.float32),
+                             f"thread {t} call {i}")
+                if i % 5 == 0:
+                    kungfu.barrier(name=f"threads/{t}/barrier")
+        except Exception as e:  # noqa: BLE001 (reported below, with the thread)
+            errors.append(f"thread {t}: {e!r}")
+
+    @tf.function
+    def graph_step(x):
+        return kungfu.group_all_reduce([x, 2 * x], name="threads/graph")
+
+    def graphs():
+        try:
+            for i in range(iters):
+                a, b = graph_step(tf.ones([7]))
+                assert_equal(b, np.full([7], 2 * size, np.float32), f"graph call {i}")
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"graph thread: {e!r}")
+
+    order = [(t + rank) % threads for t in range(threads)]
+    ts = [threading.Thread(target=eager, args=(t,)) for t in order] + [threading.Thread(target=graphs)]
+    for th in ts:
+        th.start()
+    for th in ts:
+        th.join(timeout=120)
+    if any(th.is_alive() for th in ts):
+        raise AssertionError("a thread did not finish within 120 s")
+    if errors:
+        raise AssertionError("; ".join(errors))
