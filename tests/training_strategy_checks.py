@@ -1,0 +1,226 @@
+"""Training checks of the strategies and exchange forms: a strategy switch between steps without
+retracing, IndexedSlices against densified gradients (and sparse_as_dense under every strategy),
+broadcast_variables (and its refusal of different layouts, with nothing assigned), pair averaging
+whatever the optimizers are named and only within its own model and phase, and fp16 compression.
+Run by tests/training_worker.py with its own checks.
+"""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+import kungfu
+from kungfu.optimizers import _reduce
+from training_common import LOCAL_BATCH, STEPS, adam, local_data, loss_fn, make_model, reference_weights, sgd
+
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+@check
+def strategy_switch_without_retrace():
+    x, y = local_data()
+    model, loss = make_model(100), loss_fn()
+    opt = kungfu.optimizers.SynchronousSGDOptimizer(sgd())
+    traces, losses = [], []
+
+    @tf.function
+    def step(x, y):
+        traces.append(1)
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        grads = tape.gradient(value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return value
+
+    schedule = ["ssgd"] * 5 + ["sma"] * 5 + ["pair_averaging"] * 5 + ["ssgd"] * 5
+    for t, strategy in enumerate(schedule):
+        opt.strategy = strategy
+        losses.append(float(step(x[:LOCAL_BATCH], y[:LOCAL_BATCH])))  # one batch over and over: the loss must fall
+        if t == 0:
+            first = len(traces)  # the first call traces twice: it creates the optimizer's variables
+    if len(traces) != first:
+        raise AssertionError(f"the step was traced {len(traces) - first} more times after its first call; "
+                             "switching strategies must not retrace")
+    if opt.strategy != "ssgd" or int(opt.iterations.numpy()) != len(schedule):
+        raise AssertionError(f"strategy {opt.strategy}, {int(opt.iterations.numpy())} iterations")
+    if not all(np.isfinite(losses)) or not np.mean(losses[-5:]) < np.mean(losses[:5]):
+        raise AssertionError(f"training did not go on across the switches: losses {losses}")
+
+
+@check
+def indexed_slices_equal_densified():
+    rank = kungfu.rank()
+    table = tf.Variable(tf.zeros([10, 3]))
+    ids = tf.constant([rank % 10, (3 * rank + 1) % 10, rank % 10])  # a repeated row, rows shared across workers
+
+    def grads():
+        with tf.GradientTape() as tape:
+            value = tf.reduce_sum(tf.gather(table, ids) * float(rank + 1))
+        return tape.gradient(value, [table])
+
+    def reduce_three_ways():
+        g = grads()
+        if not isinstance(g[0], tf.IndexedSlices):
+            raise AssertionError(f"expected an IndexedSlices gradient, got {type(g[0]).__name__}")
+        sparse = _reduce.mean_gradients(g, [table])[0]
+        if not isinstance(sparse, tf.IndexedSlices):
+            raise AssertionError("the sparse path densified the gradient")
+        as_dense = _reduce.mean_gradients(g, [table], sparse_as_dense=True)[0]
+        dense = kungfu.all_reduce(tf.convert_to_tensor(g[0]), op="mean")
+        return tf.convert_to_tensor(sparse), as_dense, dense
+
+    for how, fn in (("eagerly", reduce_three_ways), ("in tf.function", tf.function(reduce_three_ways))):
+        sparse, as_dense, dense = fn()
+        np.testing.assert_allclose(sparse.numpy(), dense.numpy(), rtol=1e-6, atol=1e-6, err_msg=f"sparse {how}")
+        np.testing.assert_allclose(as_dense.numpy(), dense.numpy(), rtol=1e-6, atol=1e-6, err_msg=f"dense {how}")
+    # The optimizer wrappers in a tf.function, with and without sparse_as_dense, under every strategy
+    # (sparse_as_dense once failed to trace: its branches returned dense and sparse gradients).
+    for sparse_as_dense in (False, True):
+        opt = kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1), sparse_as_dense=sparse_as_dense)
+        step = tf.function(lambda: opt.apply_gradients(zip(grads(), [table])))
+        for strategy in kungfu.optimizers.STRATEGIES:
+            opt.strategy = strategy
+            step()
+
+
+@check
+def broadcast_variables_copies_root_and_refuses_different_layouts():
+    rank = kungfu.rank()
+    a, b = tf.Variable(tf.fill([2, 3], float(rank))), tf.Variable(tf.fill([4], rank))
+    kungfu.broadcast_variables([a], root=1)
+    tf.function(lambda: kungfu.broadcast_variables([b], root=0))()
+    if not (np.all(a.numpy() == 1.0) and np.all(b.numpy() == 0)):
+        raise AssertionError(f"broadcast_variables gave {a.numpy()} from rank 1 and {b.numpy()} from rank 0")
+    odd = tf.Variable(tf.fill([2, 3] if rank == 0 else [3, 2], float(rank)))  # the same size, another shape
+    for how, fn, error in (("eagerly", lambda: kungfu.broadcast_variables([odd]), ValueError),
+                           ("in tf.function", tf.function(lambda: kungfu.broadcast_variables([odd])),
+                            tf.errors.InvalidArgumentError)):
+        try:
+            fn()
+        except error as e:
+            if "different variables" not in str(e):
+                raise AssertionError(f"{how}: unclear error: {e}") from e
+        else:
+            raise AssertionError(f"{how}: no error for different layouts")
+        if not np.all(odd.numpy() == float(rank)):
+            raise AssertionError(f"{how}: the variable was overwritten although the layouts differ")
+
+
+@check
+def pair_averaging_pairs_models_whatever_the_optimizers_are_named():
+    """Keras names optimizers per process ("sgd", "sgd_1"): an extra one on rank 0 must not keep the
+    workers' pair averaging from finding each other's models (it once did, silently)."""
+    rank = kungfu.rank()
+    if rank == 0:
+        keras.optimizers.SGD()  # takes the first automatic name on rank 0 only
+    v = tf.Variable(tf.fill([3], float(rank)))
+    opt = kungfu.optimizers.PairAveragingOptimizer(keras.optimizers.SGD(0.0))  # only the averaging moves v
+    step = tf.function(lambda: opt.apply_gradients([(tf.zeros([3]), v)]))
+    seen = []
+    for i in range(4):
+        step()
+        seen.append(float(v.numpy()[0]))
+        kungfu.barrier(name=f"pair-names/{i}")  # every model published before the next requests
+    # From the second step on, every worker averages with a peer's published copy, which differs from its
+    # own; later averages may bring it back to where it started, so look at every step.
+    if all(x == float(rank) for x in seen):
+        raise AssertionError(f"rank {rank}'s model never moved ({seen}): no peer's copy was found")
+
+
+@check
+def pair_averaging_meets_only_its_own_model_and_phase():
+    """Two models of one layout, each with its own pair averaging optimizer, never average with each
+    other; the switch to S-SGD sets the workers' drifted models to their mean; and after switching back,
+    a peer's copy left from the first phase counts as none (lr 0 throughout: only averaging moves weights)."""
+    rank = kungfu.rank()
+
+    def make(value):
+        v = tf.Variable(tf.fill([3], value))
+        opt = kungfu.optimizers.PairAveragingOptimizer(keras.optimizers.SGD(0.0))
+        return v, opt, tf.function(lambda: opt.apply_gradients([(tf.zeros([3]), v)]))
+
+    def run(step, steps, tag):
+        for i in range(steps):
+            step()
+            kungfu.barrier(name=f"pair-phase/{tag}/{i}")  # every copy published before the next requests
+
+    a, opt_a, step_a = make(1.0)
+    b, _, step_b = make(100.0)
+    for i in range(3):
+        run(step_a, 1, f"a{i}")
+        run(step_b, 1, f"b{i}")
+    if not (np.all(a.numpy() == 1.0) and np.all(b.numpy() == 100.0)):
+        raise AssertionError(f"two models of one layout averaged with each other: {a.numpy()}, {b.numpy()}")
+    a.assign(tf.fill([3], float(rank)))  # phase 1: the workers' models differ, and their copies too
+    run(step_a, 2, "first")
+    opt_a.strategy = "ssgd"
+    run(step_a, 1, "ssgd")
+    if not bool(kungfu.consensus(a.numpy(), name="pair-phase/synced")):
+        raise AssertionError(f"after the switch to S-SGD the workers' models still differ: {a.numpy()}")
+    a.assign(tf.fill([3], 5.0))  # the same on every worker; the stores still hold phase 1's copies
+    opt_a.strategy = "pair_averaging"
+    run(step_a, 2, "second")
+    if not np.all(a.numpy() == 5.0):
+        raise AssertionError(f"after switching back, a copy from the earlier phase was averaged in: {a.numpy()}")
+
+
+def _bytes_sent(fn):
+    """fn's result and the payload bytes this worker's engine sent while it ran."""
+    from kungfu import _lib
+
+    kungfu.barrier()
+    before = _lib.engine_stats()["bytes_sent"]
+    out = fn()
+    kungfu.barrier()
+    return out, _lib.engine_stats()["bytes_sent"] - before
+
+
+@check
+def fp16_compression_halves_the_bytes_and_keeps_the_mean():
+    """compression="fp16" on the three S-SGD paths: the same means to float16's precision, in float32,
+    with about half the bytes on the wire; training still matches the reference to float16's precision."""
+    x, y = local_data()
+    xb, yb = x[:LOCAL_BATCH], y[:LOCAL_BATCH]
+    model, loss = make_model(100), loss_fn()
+
+    def tape_grads(compression):
+        with tf.GradientTape() as tape:
+            value = loss(yb, model(xb, training=True))
+        return kungfu.DistributedGradientTape(tape, fusion_bytes=0, compression=compression).gradient(
+            value, model.trainable_variables)
+
+    plain, plain_bytes = _bytes_sent(lambda: tape_grads(None))
+    half, half_bytes = _bytes_sent(lambda: tape_grads("fp16"))
+    for p, h in zip(plain, half):
+        if h.dtype != tf.float32:
+            raise AssertionError(f"a compressed gradient came back as {h.dtype.name}")
+        np.testing.assert_allclose(h.numpy(), p.numpy(), rtol=2e-3, atol=1e-4, err_msg="tape, fp16 against plain")
+    if not 0.4 * plain_bytes <= half_bytes <= 0.6 * plain_bytes:
+        raise AssertionError(f"fp16 sent {half_bytes} bytes against {plain_bytes} uncompressed")
+
+    x, y = local_data()
+    model = make_model(100)
+    model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(sgd(), compression="fp16"), loss=loss_fn())
+    model.fit(x, y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    want = reference_weights(sgd)
+    for i, (g, w) in enumerate(zip(model.get_weights(), want)):
+        np.testing.assert_allclose(g, w, rtol=0, atol=2e-3, err_msg=f"model.fit with fp16, weight {i}")
+
+    model, opt, loss = make_model(100), adam(), loss_fn()
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        grads = tape.gradient(value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    step = kungfu.rewrite(step, compression="fp16")
+    for t in range(STEPS):
+        step(x[t * LOCAL_BATCH:(t + 1) * LOCAL_BATCH], y[t * LOCAL_BATCH:(t + 1) * LOCAL_BATCH])
+    for i, (g, w) in enumerate(zip(model.get_weights(), reference_weights(adam))):
+        np.testing.assert_allclose(g, w, rtol=0, atol=2e-3, err_msg=f"kungfu.rewrite with fp16, weight {i}")
