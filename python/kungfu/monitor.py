@@ -41,6 +41,8 @@ import tensorflow as tf
 from . import _lib
 from .ops import monitor as _ops
 
+__all__ = ["Monitors", "latest", "update_count", "collective_stats", "MONITORS", "KEYS"]
+
 MONITORS = ("gns", "variance", "snr")
 KEYS = ("gns", "grad_variance", "snr", "samples_per_sec", "step_time")
 DEFAULT_ALPHA = 0.1  # the EMA weight of a new GNS estimate (monitor_alpha=)
