@@ -8,9 +8,9 @@ the gradient noise dominates and synchronous SGD's exact averaging converges bet
 The noise scale rising, or the SNR of the applied gradient falling, says that moment has come.
 
 The switch happens at the first call at which any trigger holds, and only once: the policy remembers it
-(in its state) and never switches back, nor fights another policy that switches later. Note that the
-gradient monitors refresh only in S-SGD steps (docs/monitoring.md), so a threshold switch away from ssgd
-sees the values of the last S-SGD step. Branch-free, so it compiles into the training step.
+(in its state) and never switches back, nor fights another policy that switches later. The gradient
+monitors refresh in S-SGD and SMA steps, not in pair averaging's (docs/monitoring.md, "Strategies"):
+from pair_averaging, a threshold sees the values of the last S-SGD or SMA step, so switch by at_step. Branch-free, so it compiles into the training step.
 """
 
 from . import _readings as rd

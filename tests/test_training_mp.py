@@ -5,6 +5,7 @@ on 2 and 4 workers; the strategy switch must not retrace; sparse gradients must 
 ones; SMA and pair averaging must learn scikit-learn's digits on 4 workers.
 """
 
+import json
 import os
 import re
 
@@ -22,7 +23,8 @@ EQUIVALENCE = ["fit_equals_single_process", "custom_loop_equals_single_process",
                "resumed_fit_equals_single_process", "gradient_accumulation_exchanges_once_per_update",
                "accumulation_survives_a_fit_that_ends_between_updates",
                "loss_scaling_skips_one_workers_overflow_everywhere",
-               "unequal_steps_fail_at_once"]
+               "unequal_steps_fail_at_once", "switch_to_ssgd_makes_every_state_agree",
+               "monitors_and_a_threshold_switch_run_under_sma"]
 DIGITS = ["sma_digits", "pair_averaging_digits"]
 
 
@@ -38,6 +40,20 @@ def test_model_averaging_learns_digits(tmp_path):
         if re.match(r"^\[\d+\] KFDIGITS", line):
             print(line)
     assert_checks_passed(code, out, DIGITS, 4)
+
+
+def test_workers_on_different_strategies_fail_instead_of_pairing_up(tmp_path):
+    """Rank 0 on SMA, rank 1 on S-SGD: each strategy's collectives have keys of their own, so both fail at
+    the 4 s deadline, in a tf.function and eagerly, instead of averaging rank 0's model with rank 1's
+    gradients."""
+    code, out = launch(2, [WORKER, "strategies_differ"], tmp_path, timeout=4, budget=90)
+    reports = [json.loads(m.group(1)) for m in re.finditer(r"^\[\d+\] KFDIFFER (.*)$", out, re.M)]
+    assert len(reports) == 4, out[-4000:]
+    for r in reports:
+        # The last case may see its peer's exit (closed the connection) just before its own deadline.
+        assert r["error"] == "DeadlineExceededError" or (r["how"] == "eager" and r["error"] == "UnavailableError"), r
+        assert r["seconds"] < 30, r
+    assert code == 0, out[-4000:]
 
 
 def test_epochs_of_unknown_length_that_end_apart_fail_at_the_epoch_end(tmp_path):

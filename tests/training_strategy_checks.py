@@ -1,7 +1,9 @@
 """Training checks of the strategies and exchange forms: a strategy switch between steps without
 retracing, IndexedSlices against densified gradients (and sparse_as_dense under every strategy),
 broadcast_variables (and its refusal of different layouts, with nothing assigned), pair averaging
-whatever the optimizers are named and only within its own model and phase, and fp16 compression.
+whatever the optimizers are named and only within its own model and phase, fp16 compression, every
+state agreeing after a switch to S-SGD, the monitors (and a threshold switch) under SMA; and, in a launch
+of its own, workers left on different strategies failing rather than pairing up.
 Run by tests/training_worker.py with its own checks.
 """
 
@@ -224,3 +226,105 @@ def fp16_compression_halves_the_bytes_and_keeps_the_mean():
         step(x[t * LOCAL_BATCH:(t + 1) * LOCAL_BATCH], y[t * LOCAL_BATCH:(t + 1) * LOCAL_BATCH])
     for i, (g, w) in enumerate(zip(model.get_weights(), reference_weights(adam))):
         np.testing.assert_allclose(g, w, rtol=0, atol=2e-3, err_msg=f"kungfu.rewrite with fp16, weight {i}")
+
+
+def _disagreeing(variables):
+    """The paths of the variables whose bytes differ between workers."""
+    return [getattr(v, "path", v.name) for i, v in enumerate(variables)
+            if not bool(kungfu.consensus(np.asarray(v.numpy()), name=f"agree/{i}"))]
+
+
+@check
+def switch_to_ssgd_makes_every_state_agree():
+    """After pair averaging at each worker's own pace (Adam under a decaying rate) or SMA with a loss scale
+    that skipped a step on one worker only, the switch to S-SGD leaves every trainable weight and every
+    optimizer variable (step counts, moments, loss scale and its counter) the same bits on every worker,
+    and S-SGD keeps them so."""
+    rank = kungfu.rank()
+    if kungfu.size() == 1:
+        return
+    x, y = local_data()
+    loss = loss_fn()
+    decaying = keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(0.01, 3, 0.5))
+    scaled = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05, momentum=0.9), initial_scale=2.0 ** 10,
+                                                 dynamic_growth_steps=2)
+    for first, inner, steps in (("pair_averaging", decaying, 3 + 2 * rank), ("sma", scaled, 4)):
+        model = make_model(100)
+        opt = kungfu.optimizers.DistributedOptimizer(inner, strategy=first)
+
+        @tf.function
+        def step(xb, yb, blow_up):
+            with tf.GradientTape() as tape:
+                value = loss(yb, model(xb, training=True)) * blow_up  # inf on one worker: the loss scale skips
+            opt.apply_gradients(zip(tape.gradient(value, model.trainable_variables), model.trainable_variables))
+
+        for i in range(steps):
+            step(x[:LOCAL_BATCH], y[:LOCAL_BATCH], np.float32(np.inf if (i == 1 and rank == 1) else 1.0))
+        kungfu.barrier(name=f"agree/{first}")
+        opt.strategy = "ssgd"
+        for i in range(3):
+            step(x[i * LOCAL_BATCH:(i + 1) * LOCAL_BATCH], y[i * LOCAL_BATCH:(i + 1) * LOCAL_BATCH], np.float32(1.0))
+        differ = _disagreeing(model.trainable_variables + list(opt.variables))
+        if differ:
+            raise AssertionError(f"after {first} and a switch to S-SGD the workers differ in {differ}")
+
+
+@check
+def monitors_and_a_threshold_switch_run_under_sma():
+    """SMA exchanges models, not gradients: its due steps all-reduce the gradients for the monitors, so the
+    estimates go on (the same on every worker) and a strategy_switch on the SNR fires from SMA."""
+    import kungfu.policies as kp
+
+    if kungfu.size() == 1:
+        return
+    x, y = local_data()
+    loss = loss_fn()
+    model = make_model(100)
+    opt = kungfu.optimizers.DistributedOptimizer(
+        keras.optimizers.SGD(0.05), strategy="sma", monitor=["gns", "snr"], monitor_interval=2,
+        local_batch_size=LOCAL_BATCH, policies=[kp.strategy_switch("ssgd", snr_below=1e9)])
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            value = loss(yb, model(xb, training=True))
+        opt.apply_gradients(zip(tape.gradient(value, model.trainable_variables), model.trainable_variables))
+
+    strategies = []
+    for i in range(4):
+        step(x[i * LOCAL_BATCH:(i + 1) * LOCAL_BATCH], y[i * LOCAL_BATCH:(i + 1) * LOCAL_BATCH])
+        strategies.append(opt.strategy)
+    count = kungfu.monitor.update_count(opt)
+    values = kungfu.monitor.latest(opt)
+    if count < 1 or values["snr"] == 0:
+        raise AssertionError(f"the monitors did not run under SMA: {count} updates, {values}")
+    if not bool(kungfu.consensus(np.array([values["gns"], values["snr"]]), name="sma-monitors")):
+        raise AssertionError(f"the workers' estimates differ: {values}")
+    if strategies[-1] != "ssgd":
+        raise AssertionError(f"strategy_switch(snr_below=...) never fired from SMA: {strategies}")
+
+
+def workers_on_different_strategies():
+    """Rank 0 runs SMA and the others S-SGD, in a tf.function and eagerly: every worker fails at the deadline
+    (each strategy's collectives have keys of their own) instead of pairing a model with gradients. Prints
+    "KFDIFFER <json>" per case."""
+    import json
+    import time
+
+    rank = kungfu.rank()
+    for how in ("function", "eager"):
+        v = tf.Variable(tf.fill([3], 10.0 * rank))
+        opt = kungfu.optimizers.DistributedOptimizer(keras.optimizers.SGD(0.1), strategy="sma" if rank == 0 else "ssgd")
+
+        def apply():
+            opt.apply_gradients([(tf.fill([3], float(rank + 1)), v)])
+
+        step = tf.function(apply) if how == "function" else apply
+        start = time.perf_counter()
+        try:
+            step()
+            report = {"error": None, "v": v.numpy().tolist()}
+        except tf.errors.OpError as e:
+            report = {"error": type(e).__name__, "message": e.message.splitlines()[0]}
+        report.update(how=how, seconds=round(time.perf_counter() - start, 3))
+        print("KFDIFFER " + json.dumps(report), flush=True)

@@ -2,6 +2,7 @@
 
     python -m kungfu.launcher -np N -- python tests/training_worker.py equivalence
     python -m kungfu.launcher -np 4 -- python tests/training_worker.py digits
+    python -m kungfu.launcher -np 2 --timeout 4 -- python tests/training_worker.py strategies_differ
 
 Prints one "KFCHECK <name> OK|FAIL ..." line per check (tests/mp.py).
 
@@ -361,6 +362,8 @@ def pair_averaging_digits():
 
 def main():
     kungfu.init()
+    if sys.argv[1] == "strategies_differ":
+        return training_strategy_checks.workers_on_different_strategies()
     checks = CHECKS + training_strategy_checks.CHECKS if sys.argv[1] == "equivalence" else DIGITS_CHECKS
     sys.exit(1 if mp.run_checks(checks, kungfu.rank()) else 0)
 

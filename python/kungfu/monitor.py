@@ -85,7 +85,7 @@ def check_arguments(monitor, interval, local_batch_size, alpha=DEFAULT_ALPHA):
     return names, interval
 
 
-def _when(cond, fn):
+def when(cond, fn):
     """fn() when cond is the Python True (no tf.cond to build), else tf.cond(cond, fn, False)."""
     if cond is True:
         return fn()
@@ -215,7 +215,7 @@ class Monitors:
             self._record(local_sq, big_sq, local_sq, b, b_big, b_big, valid)
             return tf.constant(True)
 
-        return _when(due, run)
+        return when(due, run)
 
     def update_one_worker(self, grads, variables, step):
         """One worker: on due steps, the monitors from this step's gradients g_t (batch b) and the
@@ -242,7 +242,7 @@ class Monitors:
             self._record(small, big, (small + prev_sq) / 2, b, 2 * b, b, valid & finite)
             return tf.constant(True)
 
-        _when(self.due(step), run)
+        when(self.due(step), run)
 
         def keep():  # after run() in program order, so its reads see the old copy (automatic control deps)
             for s, g in zip(slots, grads):
@@ -253,7 +253,7 @@ class Monitors:
                 prev.scale.assign(self._scale())
             return tf.constant(True)
 
-        _when(self.due(step + 1), keep)
+        when(self.due(step + 1), keep)
 
     def _scale(self):
         return tf.cast(self.loss_scale(), tf.float32)

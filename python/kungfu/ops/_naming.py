@@ -3,7 +3,9 @@
 Keys. The engine matches a collective on one worker with the same collective on the others by key
 (and by how many times each worker has started that key). A key is the `name` the caller passes,
 or else derived deterministically:
-  - eagerly: "eager/<op>/<n>", n counting this process's eager calls of that op type from 0;
+  - eagerly: "eager/<op>/<n>", n counting this process's eager calls of that op type from 0; under a
+    tf.name_scope, "eager/<scope>/<op>/<n>", counted per scope (the distributed optimizers run each
+    strategy's collectives under its own scope, so workers on different strategies never pair up);
   - inside tf.function: "<function>/<unique name>", the tf.function's graph name (its Python name)
     and the op's unique name in that graph, e.g. "train_step/all_reduce_2" or, in a loop body,
     "train_step/while/all_reduce". Control-flow bodies (while, cond, switch_case) are graphs with
@@ -44,7 +46,7 @@ except ImportError:  # a TF without it: the raw XLA error stands (tests/test_ops
 CONTROL_FLOW_GRAPHS = frozenset({"WhileCondFuncGraph", "WhileBodyFuncGraph", "CondBranchFuncGraph"})
 
 _lock = threading.Lock()
-_eager_counts = collections.Counter()  # op type -> eager calls so far
+_eager_counts = collections.Counter()  # "<scope>/<op>" (or op type) -> eager calls so far
 _explicit_names = weakref.WeakKeyDictionary()  # graph -> explicit names used by collectives in it
 _token_variable = None  # created on first use, outside any function
 _eager_keys = {}  # explicit name -> its key as an eager string tensor
@@ -68,10 +70,12 @@ def collective_key(op, name, eager=None):
     if eager:
         if name is not None:
             return name
+        scope = tf.get_current_name_scope()
+        what = f"{scope}/{op}" if scope else op
         with _lock:
-            n = _eager_counts[op]
-            _eager_counts[op] += 1
-        return f"eager/{op}/{n}"
+            n = _eager_counts[what]
+            _eager_counts[what] += 1
+        return f"eager/{what}/{n}"
     graph = tf.compat.v1.get_default_graph()
     refuse_xla(graph, op)
     if name is not None:

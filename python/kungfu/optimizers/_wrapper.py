@@ -12,7 +12,8 @@ apply(). Wrapping an optimizer that has been used keeps its state: build() copie
 How a step runs. apply() builds the three strategies' work as the branches of one tf.switch_case on
 a strategy variable (an int32 tf.Variable), then lets the base optimizer apply the gradients:
   ssgd: gradients <- their mean over workers (all-reduce; sparse ones all-gathered); at the first
-        step after another strategy, the model and the optimizer's slots are first set to their mean;
+        step after another strategy, the model and the optimizer's slots are first set to their mean,
+        and its step counts and loss scale to rank 0's;
   sma:  variables move toward the workers' mean (all-reduce of the model); own gradients;
   pair_averaging: variables averaged with a random peer's published model; own gradients; after
         the update, the model is published (a second switch, on the same variable).
@@ -24,8 +25,9 @@ from a policy, whose decisions agree across workers.
 With one worker, apply() is the base optimizer's: every strategy is plain local training.
 
 Monitors (monitor=["gns", "variance", "snr"]): kungfu.monitor.Monitors keeps their variables and
-graph code. Only the ssgd branch computes them (it has both the local and the all-reduced gradients),
-before the optimizer's update; sma and pair_averaging steps leave them as they were. With one worker,
+graph code. The ssgd branch computes them from the gradients' own all-reduce, before the optimizer's
+update; the sma branch all-reduces the gradients for their norms on due steps; pair_averaging steps
+leave them as they were (no step the workers share). With one worker,
 every strategy is local training and the estimates pair consecutive steps' gradients
 (Monitors.update_one_worker). See docs/monitoring.md ("Using monitors").
 
@@ -39,6 +41,8 @@ import sys
 import tensorflow as tf
 
 from .. import _lib
+from .. import _variables
+from .. import monitor as _monitor
 from . import _averaging
 from . import _reduce
 
@@ -267,25 +271,62 @@ class DistributedMixin:
                 return [tf.identity(g) if isinstance(g, tf.Tensor) else g for g in reduced]
 
         def sma():
+            m = kf.monitors
+            if m is not None and m.reduces:
+                # SMA exchanges models, not gradients: on the monitors' due steps the gradients are
+                # all-reduced too, for their norms alone, so that the estimates (and the policies that
+                # read them, e.g. a switch to S-SGD once the noise scale has grown) go on under SMA.
+                _monitor.when(m.due(self.iterations), lambda: measure(m))
             _averaging.sma_update(v_live, kf.alpha, kf.fusion_bytes)
             return g_live
+
+        def measure(m):
+            if _reduce.norms_fusable(g_live, kf.sparse_as_dense):
+                _, local_sq, reduced_sq = _reduce.mean_gradients_with_norms(
+                    g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense, tf.constant(True), kf.compression)
+                return m.update(True, local_sq, reduced_sq=reduced_sq)
+            out = _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
+                                         extra=[m.local_sq_norm(g_live, True)], compression=kf.compression)
+            return m.update(True, out[-1], out[:len(g_live)])
 
         def pair():
             _averaging.pair_average(v_live, kf.store_prefix, self.iterations, phase)
             return g_live
 
-        new = tf.switch_case(current, [ssgd, sma, pair])
+        def scoped(name, fn):
+            # Each strategy's collectives under its own name scope, so their derived keys differ: workers
+            # on different strategies at one step (a switch made on some workers only) wait for each other
+            # until the deadline instead of pairing one's model with another's gradients.
+            def branch():
+                with tf.name_scope(name):
+                    return fn()
+            return branch
+
+        new = tf.switch_case(current, [scoped(s, fn) for s, fn in zip(STRATEGIES, [ssgd, sma, pair])])
         out = list(grads)
         for i, g in zip(live, new):
             out[i] = g
         return out
 
     def _kungfu_average_state(self, variables):
-        """Sets the model's variables and this optimizer's float state (its slots: momenta, moments)
-        to their mean over the workers; returns True."""
-        skip = {id(self._iterations), id(getattr(self, "_learning_rate", None))}
-        state = [v for v in self.variables if id(v) not in skip and tf.as_dtype(v.dtype).is_floating]
-        _averaging.average_variables(list(variables) + state, self._kungfu.fusion_bytes)
+        """Sets the model's variables and this optimizer's slots (momenta, moments: its float state) to
+        their mean over the workers, and its counters (step counts, a loss scale's step counter) and loss
+        scale to rank 0's; returns True. From then on S-SGD's steps are the same bits on every worker:
+        the step count drives Adam's bias correction and learning-rate schedules, and a
+        LossScaleOptimizer's scale and counter decide which steps it skips and its next scale (a mean
+        scale would not be a power of 2, and the counters of workers that skipped different steps differ)."""
+        import keras
+
+        own_rate = getattr(self, "_learning_rate", None)
+        scale = self.dynamic_scale if isinstance(self, keras.optimizers.LossScaleOptimizer) else None
+        averaged, copied = [], []
+        for v in self.variables:
+            if v is own_rate:
+                continue
+            (averaged if tf.as_dtype(v.dtype).is_floating and v is not scale else copied).append(v)
+        _averaging.average_variables(list(variables) + averaged, self._kungfu.fusion_bytes)
+        if copied:
+            _variables.broadcast_variables(copied, root=0)
         return tf.constant(True)
 
     def _kungfu_publish(self, variables, is_update=None):
