@@ -122,9 +122,12 @@ class Engine {
   // both sides when the copy's dtype, count or shape_sig differ; Unavailable naming the peer when it
   // is gone; DeadlineExceeded after the timeout. Any number may be in flight, for any names. A request
   // to this worker itself is answered from its own store on the calling thread, before this returns.
-  // Otherwise done runs on the loop thread; out must stay valid until it has run.
+  // Otherwise done runs on the loop thread; out must stay valid until it has run. departed_ok: a peer
+  // that has left the cluster (it said goodbye, or announced it was finalizing before its connection
+  // closed) answers done(OK, -1) with out untouched, as if it had saved nothing, instead of Unavailable;
+  // pair averaging then keeps its own model while the others go on (a crashed peer still fails).
   void Request(int peer, const std::string& name, void* out, int64_t count, DType dtype, uint32_t shape_sig,
-               RequestCallback done);
+               RequestCallback done, bool departed_ok = false);
 
   EngineStats stats() const;
   // Zeroes the resettable counters of stats() and forgets the per-collective ones.

@@ -59,6 +59,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   bool SendFrame(int dst, FrameHeader h, const std::string& name, const void* data,
                  std::shared_ptr<const void> keep) override;
   Status PeerStatus(int peer) const override;
+  bool PeerDeparted(int peer) const override;
   void AbandonTarget(int peer, uint64_t owner) override;
 
   // FrameSink (from connections, loop thread).

@@ -55,7 +55,9 @@ class SaveVariableOp : public OpKernel {
 
 class RequestVariableOp : public AsyncOpKernel {
  public:
-  explicit RequestVariableOp(OpKernelConstruction* c) : AsyncOpKernel(c) {}
+  explicit RequestVariableOp(OpKernelConstruction* c) : AsyncOpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("departed_ok", &departed_ok_));
+  }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     std::string name;
@@ -82,10 +84,12 @@ class RequestVariableOp : public AsyncOpKernel {
     char* buf = const_cast<char*>(value->tensor_data().data());
     const bool forwarded = buf == view.data;
     engine->Request(target, name, buf, view.count, view.dtype, ShapeSignature(def.shape()),
-                    Finish(ctx, std::move(done), value, version, forwarded));
+                    Finish(ctx, std::move(done), value, version, forwarded), departed_ok_);
   }
 
  private:
+  bool departed_ok_ = false;  // a target that has left answers "none" (Engine::Request)
+
   // Writes the version, fills value with default when nothing was found (unless it already is
   // default's buffer), names this worker's shape in a mismatch, and finishes the kernel.
   static kungfu::RequestCallback Finish(OpKernelContext* ctx, DoneCallback done, Tensor* value, Tensor* version,

@@ -53,6 +53,7 @@ REGISTER_OP("KfRequestVariable")
     .Output("value: T")
     .Output("version: int64")
     .Attr("T: " KF_P2P_TYPES)
+    .Attr("departed_ok: bool = false")
     .SetIsStateful()
     .SetIsDistributedCommunication()
     .SetShapeFn([](InferenceContext* c) {
@@ -63,7 +64,8 @@ REGISTER_OP("KfRequestVariable")
     })
     .Doc(R"doc(Fetches worker target's latest saved copy of key, without target's own ops taking part.
 value: the copy (its dtype and shape must be default's), or default when target has saved nothing
-under key. version: the copy's version, or -1 when there was none.)doc");
+under key. version: the copy's version, or -1 when there was none.
+departed_ok: a target that has left the cluster (it finalized) answers as if it had saved nothing.)doc");
 
 }  // namespace
 }  // namespace kungfu_tf

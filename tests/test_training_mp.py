@@ -56,6 +56,17 @@ def test_workers_on_different_strategies_fail_instead_of_pairing_up(tmp_path):
     assert code == 0, out[-4000:]
 
 
+def test_pair_averaging_outlives_a_peer_that_finished_first(tmp_path):
+    """Rank 0 finishes after 2 steps and its finalize leaves after the 4 s timeout; ranks 1 and 2 train on
+    for about 7 s more under pair averaging, and a request to the departed rank 0 counts as no copy."""
+    code, out = launch(3, [WORKER, "pair_leaver"], tmp_path, timeout=4, budget=90)
+    reports = {r["rank"]: r for r in (json.loads(m.group(1)) for m in re.finditer(r"^\[\d+\] KFOUTLIVE (.*)$", out, re.M))}
+    assert sorted(reports) == [0, 1, 2], out[-4000:]
+    assert reports[1]["steps"] == reports[2]["steps"] == 45, reports
+    assert min(reports[1]["seconds"], reports[2]["seconds"]) > 5, reports  # they outlived rank 0's finalize
+    assert code == 0, out[-4000:]
+
+
 def test_epochs_of_unknown_length_that_end_apart_fail_at_the_epoch_end(tmp_path):
     """Datasets of unknown length, one batch longer on rank 1: see tests/fit_steps_worker.py."""
     worker = os.path.join(REPO, "tests", "fit_steps_worker.py")

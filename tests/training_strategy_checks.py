@@ -328,3 +328,23 @@ def workers_on_different_strategies():
             report = {"error": type(e).__name__, "message": e.message.splitlines()[0]}
         report.update(how=how, seconds=round(time.perf_counter() - start, 3))
         print("KFDIFFER " + json.dumps(report), flush=True)
+
+
+def pair_averaging_outlives_a_departed_peer():
+    """Rank 0 stops after 2 pair-averaging steps; its finalize waits the 4 s timeout for the others and
+    leaves without them. The others train on for about 7 s, still drawing rank 0 as a peer: a request to it
+    answers "none" (they keep their own model for that step) instead of failing. Prints "KFOUTLIVE <json>"."""
+    import json
+    import time
+
+    rank = kungfu.rank()
+    v = tf.Variable(tf.fill([3], float(rank)))
+    opt = kungfu.optimizers.PairAveragingOptimizer(keras.optimizers.SGD(0.0))
+    step = tf.function(lambda: opt.apply_gradients([(tf.zeros([3]), v)]))
+    steps, start = 2 if rank == 0 else 45, time.perf_counter()
+    for _ in range(steps):
+        step()
+        if rank != 0:
+            time.sleep(0.15)
+    print("KFOUTLIVE " + json.dumps({"rank": rank, "steps": steps, "seconds": round(time.perf_counter() - start, 3)}),
+          flush=True)

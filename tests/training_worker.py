@@ -3,6 +3,7 @@
     python -m kungfu.launcher -np N -- python tests/training_worker.py equivalence
     python -m kungfu.launcher -np 4 -- python tests/training_worker.py digits
     python -m kungfu.launcher -np 2 --timeout 4 -- python tests/training_worker.py strategies_differ
+    python -m kungfu.launcher -np 3 --timeout 4 -- python tests/training_worker.py pair_leaver
 
 Prints one "KFCHECK <name> OK|FAIL ..." line per check (tests/mp.py).
 
@@ -364,6 +365,8 @@ def main():
     kungfu.init()
     if sys.argv[1] == "strategies_differ":
         return training_strategy_checks.workers_on_different_strategies()
+    if sys.argv[1] == "pair_leaver":
+        return training_strategy_checks.pair_averaging_outlives_a_departed_peer()
     checks = CHECKS + training_strategy_checks.CHECKS if sys.argv[1] == "equivalence" else DIGITS_CHECKS
     sys.exit(1 if mp.run_checks(checks, kungfu.rank()) else 0)
 

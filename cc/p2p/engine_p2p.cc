@@ -12,8 +12,8 @@ Status Engine::Save(const std::string& name, const void* data, int64_t count, DT
 }
 
 void Engine::Request(int peer, const std::string& name, void* out, int64_t count, DType dtype, uint32_t shape_sig,
-                     RequestCallback done) {
-  impl_->SubmitRequest(PeerRequest{peer, name, out, count, dtype, shape_sig, std::move(done)});
+                     RequestCallback done, bool departed_ok) {
+  impl_->SubmitRequest(PeerRequest{peer, name, out, count, dtype, shape_sig, std::move(done), departed_ok});
 }
 
 namespace {
@@ -68,6 +68,8 @@ bool Engine::Impl::SendFrame(int dst, FrameHeader h, const std::string& name, co
 }
 
 Status Engine::Impl::PeerStatus(int peer) const { return dead_[peer]; }
+
+bool Engine::Impl::PeerDeparted(int peer) const { return left_[peer] || finalizing_[peer] >= 0; }
 
 void Engine::Impl::AbandonTarget(int peer, uint64_t owner) {
   if (in_[peer]) in_[peer]->AbandonTarget(owner);

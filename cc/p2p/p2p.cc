@@ -40,6 +40,7 @@ uint32_t PeerToPeer::NextId() {
 
 void PeerToPeer::Start(PeerRequest r) {
   Status gone = ctx_->PeerStatus(r.peer);
+  if (!gone.ok() && r.departed_ok && ctx_->PeerDeparted(r.peer)) return r.done(Status::OK(), -1);
   if (!gone.ok()) return r.done(gone.WithContext(Describe(r)), -1);
   const uint32_t id = NextId();
   FrameHeader h;
@@ -197,7 +198,17 @@ void PeerToPeer::OnPeerGone(int peer, const Status& why) {
   for (const auto& [id, f] : requests_) {
     if (f.r.peer == peer) ids.push_back(id);
   }
-  for (uint32_t id : ids) Finish(id, why);
+  const bool departed = ctx_->PeerDeparted(peer);
+  for (uint32_t id : ids) {
+    InFlight& f = requests_.at(id);
+    // Nothing of the copy has arrived, so out is untouched and "none" is true to the caller.
+    if (departed && f.r.departed_ok && f.received == 0) {
+      f.version = -1;
+      Finish(id, Status::OK());
+    } else {
+      Finish(id, why);
+    }
+  }
 }
 
 void PeerToPeer::ExpireOverdue(Deadline now) {

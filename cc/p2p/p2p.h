@@ -38,6 +38,8 @@ class P2PContext {
                          std::shared_ptr<const void> keep) = 0;
   // OK while peer is alive; otherwise why it is gone (Unavailable naming it).
   virtual Status PeerStatus(int peer) const = 0;
+  // Whether peer has left or begun to leave the cluster (a goodbye, or a finalizing notice).
+  virtual bool PeerDeparted(int peer) const = 0;
   // The connection from peer must no longer read into the buffer of this payload owner.
   virtual void AbandonTarget(int peer, uint64_t owner) = 0;
 };
@@ -51,6 +53,7 @@ struct PeerRequest {
   DType dtype = DType::kUInt8;
   uint32_t shape_sig = 0;
   RequestCallback done;
+  bool departed_ok = false;  // a departed peer answers "none" (Engine::Request)
 };
 
 class PeerToPeer {

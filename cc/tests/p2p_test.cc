@@ -216,6 +216,53 @@ TEST(P2P, RequestToClosedPeerFailsPromptlyNamingIt) {
   EXPECT_TRUE(out == y);
 }
 
+// departed_ok (pair averaging's requests): a peer that announced it was finalizing and then closed
+// answers "none", with the output untouched; without departed_ok, or from a peer that crashed (no
+// notice), the request fails naming it.
+TEST(P2P, DepartedPeerAnswersNoneOnlyWhenAskedTo) {
+  const int n = 3;
+  auto engines = StartCluster(n, [](EngineConfig& c) { c.timeout_seconds = 30; });
+  std::vector<float> x(10, 1.f);
+  ASSERT_OK(engines[2]->Save("w", x.data(), 10, DType::kFloat32));
+  ASSERT_OK(engines[1]->Save("w", x.data(), 10, DType::kFloat32));
+  engines[2]->Finalizing();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the notice arrives before the close
+  engines[2].reset();                                              // no goodbye: a failed finalize wait
+  engines[1]->Finalizing();
+  for (int attempt = 0; attempt < 2; ++attempt) {  // before and after the close is seen
+    std::vector<float> out(10, 5.f);
+    Fetch f;
+    engines[0]->Request(2, "w", out.data(), 10, DType::kFloat32, 0, f.Callback(), /*departed_ok=*/true);
+    EXPECT_OK(f.w.Wait());
+    EXPECT_EQ(f.version, -1);
+    EXPECT_TRUE(out == std::vector<float>(10, 5.f));
+  }
+  std::vector<float> out(10);
+  int64_t version = 0;
+  Status s = RequestSync(*engines[0], 2, "w", out.data(), 10, DType::kFloat32, &version);
+  EXPECT_EQ(CodeName(s.code()), CodeName(Code::kUnavailable));
+  EXPECT_TRUE(s.message().find("rank 2") != std::string::npos);
+  // Rank 1 is finalizing but still here: it still answers with its copy.
+  Fetch f;
+  engines[0]->Request(1, "w", out.data(), 10, DType::kFloat32, 0, f.Callback(), /*departed_ok=*/true);
+  EXPECT_OK(f.w.Wait());
+  EXPECT_EQ(f.version, 0);
+  EXPECT_TRUE(out == x);
+}
+
+TEST(P2P, CrashedPeerFailsEvenWhenDepartedPeersAnswerNone) {
+  const int n = 2;
+  auto engines = StartCluster(n, [](EngineConfig& c) { c.timeout_seconds = 30; });
+  engines[1].reset();  // no finalizing notice: a crash
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    std::vector<float> out(4);
+    Fetch f;
+    engines[0]->Request(1, "w", out.data(), 4, DType::kFloat32, 0, f.Callback(), /*departed_ok=*/true);
+    Status s = f.w.Wait();
+    EXPECT_EQ(CodeName(s.code()), CodeName(Code::kUnavailable));
+  }
+}
+
 TEST(P2P, UnansweredRequestMissesItsDeadlineAndLateAnswerIsDropped) {
   auto engines = StartCluster(2, [](EngineConfig& c) { c.timeout_seconds = 0.5; });
   std::vector<int32_t> x(100, 9);

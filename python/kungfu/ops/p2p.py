@@ -78,15 +78,20 @@ def save_variable(x, name):
 
 
 @_no_autograph
-def request_variable(target, default, name):
+def request_variable(target, default, name, departed_ok=False):
     """(value, version): worker target's latest saved copy of name and its version (int64 scalar).
 
     value has default's dtype and shape; it is default, and version -1, when target has saved nothing
-    under name. target may be this worker's own rank (answered from its own store).
+    under name. target may be this worker's own rank (answered from its own store). departed_ok: a
+    target that has left the cluster (it finalized) answers the same way instead of raising
+    UnavailableError; a target that crashed still raises.
     """
+    if not isinstance(departed_ok, bool):
+        raise TypeError(f"request_variable: departed_ok must be True or False, got {departed_ok!r}")
     _lib.require_init("kungfu.ops.p2p.request_variable")
     key = _key(name, "request_variable")
     target = _target(target, "request_variable")
     default = _tensor(default, "request_variable")
-    value, version = _lib.op_module().kf_request_variable(key, target, default, _naming.token())
+    value, version = _lib.op_module().kf_request_variable(key, target, default, _naming.token(),
+                                                          departed_ok=departed_ok)
     return value, version

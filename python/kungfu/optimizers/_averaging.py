@@ -16,8 +16,9 @@ so two models of one architecture (an ensemble, a teacher and a student, a secon
 never meet. Each copy also ends with a tag, one more element: the step at which the current pair
 averaging phase began, the same on every worker since all switch at the same step. A copy with
 another tag, left from an earlier phase before a switch away and back, counts as none. A peer that has
-published nothing in this phase yet (the first step, or just after a switch to this strategy)
-answers none, and the worker keeps its own model for that step.
+published nothing in this phase yet (the first step, or just after a switch to this strategy), or
+that has left the cluster (it finished its steps first and finalized), answers none, and the worker
+keeps its own model for that step.
 """
 
 import collections
@@ -102,7 +103,8 @@ def pair_average(variables, prefix, step, phase):
     target = random_peer(step)
     for dtype, group in _by_dtype(variables):
         mine = _tagged(group, dtype, phase)
-        theirs, _ = p2p.request_variable(target, mine, name=store_name(prefix, dtype))
+        # A peer that has left (it finished first and its finalize stopped waiting) answers none.
+        theirs, _ = p2p.request_variable(target, mine, name=store_name(prefix, dtype), departed_ok=True)
         same_phase = tf.equal(theirs[-1], mine[-1])  # no copy at all: theirs is mine, and so is the tag
         averaged = tf.where(same_phase, (mine[:-1] + theirs[:-1]) * tf.cast(0.5, mine.dtype), mine[:-1])
         sizes = [v.shape.num_elements() for v in group]
