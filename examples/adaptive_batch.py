@@ -50,7 +50,9 @@ against the best fixed run at --main_target) and what the policy changed and whe
 import os
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up notices out of the output
+# Hides TF's C++ INFO and WARNING logs; TF 2.21's oneDNN start-up notice shows regardless (it comes before TF
+# sets up logging: only TF_ENABLE_ONEDNN_OPTS=0, oneDNN off, drops it).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -62,36 +64,47 @@ import kungfu  # noqa: E402
 import kungfu.monitor  # noqa: E402
 import kungfu.policies as kp  # noqa: E402
 
+# What --quick sets, each unless given on the command line (as the command line would spell it).
+QUICK = {"train_size": "4000", "test_size": "1000", "budget": "2", "targets": "0.6,0.7", "main_target": "0.7"}
+
 flags.DEFINE_list("runs", ["small", "large", "adaptive"], "Runs, in order: small, large, adaptive, or "
                   "fixed:GLOBAL_BATCH:LR.")
 flags.DEFINE_float("budget", 14.0, "Seconds of training per run (evaluation not counted).")
 flags.DEFINE_float("eval_every", 0.5, "Seconds of training between evaluations of the test set.")
-flags.DEFINE_integer("small_batch", 64, "Global batch of the fixed small run.")
+flags.DEFINE_integer("small_batch", 64, "Global batch of the fixed small run.", lower_bound=1)
 flags.DEFINE_float("small_lr", 0.025, "Learning rate of the fixed small run.")
-flags.DEFINE_integer("large_batch", 256, "Global batch of the fixed large run.")
+flags.DEFINE_integer("large_batch", 256, "Global batch of the fixed large run.", lower_bound=1)
 flags.DEFINE_float("large_lr", 0.05, "Learning rate of the fixed large run (from the sweep in the docstring).")
 flags.DEFINE_float("lr", 0.05, "Learning rate of the adaptive run (at its first batch, min_batch).")
-flags.DEFINE_integer("min_batch", 64, "gns_batch_size: smallest global batch (the adaptive run starts there).")
-flags.DEFINE_integer("max_batch", 1024, "gns_batch_size: largest global batch.")
-flags.DEFINE_integer("interval", 4, "gns_batch_size: decide every this many steps.")
-flags.DEFINE_integer("warmup_steps", 16, "gns_batch_size: no change before this step.")
-flags.DEFINE_integer("cooldown_steps", 8, "gns_batch_size: steps after a change before the next.")
+flags.DEFINE_integer("min_batch", 64, "gns_batch_size: smallest global batch (the adaptive run starts there).",
+                     lower_bound=1)
+flags.DEFINE_integer("max_batch", 1024, "gns_batch_size: largest global batch.", lower_bound=1)
+flags.DEFINE_integer("interval", 4, "gns_batch_size: decide every this many steps.", lower_bound=1)
+flags.DEFINE_integer("warmup_steps", 16, "gns_batch_size: no change before this step.", lower_bound=0)
+flags.DEFINE_integer("cooldown_steps", 8, "gns_batch_size: steps after a change before the next.", lower_bound=0)
 flags.DEFINE_float("factor", 1.0, "gns_batch_size: target global batch = factor * noise scale.")
-flags.DEFINE_float("min_gain", 0.0, "gns_batch_size: least predicted gain in time to loss for a change.")
+flags.DEFINE_float("min_gain", 0.0, "gns_batch_size: least predicted gain in time to loss for a change.",
+                   lower_bound=0.0)
 flags.DEFINE_integer("multiple_of", 64, "gns_batch_size: the global batch is a multiple of this (and of the "
-                     "cluster size).")
+                     "cluster size).", lower_bound=1)
 flags.DEFINE_float("max_change", 2.0, "gns_batch_size: one change scales the batch by at most this.")
 flags.DEFINE_enum("lr_rule", "none", ["none", "linear", "sqrt", "adascale"], "gns_batch_size: how the LR "
                   "follows the batch (none: it stays).")
 flags.DEFINE_list("targets", ["0.79", "0.80", "0.805"], "Test accuracies to time.")
 flags.DEFINE_float("main_target", 0.80, "The target of the comparison (one of --targets).")
-flags.DEFINE_integer("train_size", 50000, "Training images.")
-flags.DEFINE_integer("test_size", 8000, "Test images.")
-flags.DEFINE_integer("seed", 0, "Seed of the initial model and of the data order.")
+flags.DEFINE_integer("train_size", 50000, "Training images.", lower_bound=1)
+flags.DEFINE_integer("test_size", 8000, "Test images.", lower_bound=1)
+flags.DEFINE_integer("seed", 0, "Seed of the initial model and of the data order.", lower_bound=0)
 flags.DEFINE_integer("threads", 1, "TensorFlow threads per worker (1 suits several workers per core; 0: TF's "
-                     "default).")
+                     "default).", lower_bound=0)
 flags.DEFINE_string("out_dir", ".", "Where rank 0 writes adaptive_batch.png and adaptive_batch.md.")
-flags.DEFINE_bool("quick", False, "A smoke run: 4,000 training images, 2 s per run, targets 0.6 and 0.7.")
+flags.DEFINE_bool("quick", False, "A smoke run (about 30 s): " + " ".join(f"--{k}={v}" for k, v in QUICK.items())
+                  + ", each unless given explicitly.")
+for name in ["budget", "eval_every", "small_lr", "large_lr", "lr", "factor"]:
+    flags.register_validator(name, lambda v: v > 0, "must be > 0")
+flags.register_validator("max_change", lambda v: v > 1, "must be > 1")
+flags.register_multi_flags_validator(["min_batch", "max_batch"], lambda f: f["min_batch"] <= f["max_batch"],
+                                     "--min_batch must be at most --max_batch")
 FLAGS = flags.FLAGS
 
 SIDE, CLASSES, NOISE, LABEL_NOISE = 16, 10, 2.5, 0.2
@@ -146,10 +159,59 @@ def parse_run(spec):
         return "fixed large", FLAGS.large_batch, FLAGS.large_lr, False
     if spec == "adaptive":
         return "adaptive", FLAGS.min_batch, FLAGS.lr, True
-    kind, batch, lr = (spec.split(":") + ["", ""])[:3]
-    if kind != "fixed" or not batch.isdigit() or not lr:
-        raise app.UsageError(f"--runs: {spec!r} is none of small, large, adaptive, fixed:GLOBAL_BATCH:LR")
+    _, batch, lr = spec.split(":")  # fixed:GLOBAL_BATCH:LR, checked by check_runs
     return f"fixed {batch} lr {lr}", int(batch), float(lr), False
+
+
+def check_runs(specs):
+    """The --runs validator: every entry one parse_run() takes, fixed batches >= 1 and LRs > 0."""
+    if not specs:
+        raise flags.ValidationError("name at least one run")
+    for spec in specs:
+        if spec in ("small", "large", "adaptive"):
+            continue
+        parts = spec.split(":")
+        try:
+            good = len(parts) == 3 and parts[0] == "fixed" and int(parts[1]) >= 1 and float(parts[2]) > 0
+        except ValueError:  # not numbers
+            good = False
+        if not good:
+            raise flags.ValidationError(f"{spec!r} is none of small, large, adaptive, fixed:GLOBAL_BATCH:LR "
+                                        "(GLOBAL_BATCH an integer >= 1, LR > 0)")
+    return True
+
+
+def check_targets(targets):
+    """The --targets validator: test accuracies in (0, 1]."""
+    if not targets:
+        raise flags.ValidationError("name at least one test accuracy")
+    for t in targets:
+        try:
+            good = 0 < float(t) <= 1
+        except ValueError:  # not a number
+            good = False
+        if not good:
+            raise flags.ValidationError(f"{t!r} is not a test accuracy in (0, 1]")
+    return True
+
+
+flags.register_validator("runs", check_runs)
+flags.register_validator("targets", check_targets)
+
+
+def check_cluster(size):
+    """UsageError for the flags that do not fit a cluster of size workers (each needs a share of every
+    batch); the rest were checked as the flags were parsed."""
+    if FLAGS.train_size < size:
+        raise app.UsageError(f"--train_size={FLAGS.train_size} is less than the {size} worker(s)")
+    for spec in FLAGS.runs:
+        name, batch, _, _ = parse_run(spec)
+        if batch < size:
+            raise app.UsageError(f"--runs: {name} has a global batch of {batch}, less than the {size} worker(s)")
+    m = int(np.lcm(FLAGS.multiple_of, size))
+    if "adaptive" in FLAGS.runs and FLAGS.max_batch // m * m < FLAGS.min_batch:
+        raise app.UsageError(f"--min_batch={FLAGS.min_batch} --max_batch={FLAGS.max_batch}: no multiple of {m} "
+                             f"(of --multiple_of={FLAGS.multiple_of} and the {size} worker(s)) lies between them")
 
 
 def gns_policy():
@@ -183,7 +245,8 @@ def build(batch, lr, data):
     opt = kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(lr, momentum=0.9), monitor=["gns"],
                                                     local_batch_size=ds.local_batch_size_variable)
     opt.build(model.trainable_variables)
-    kungfu.broadcast_variables(model.variables + opt.variables, root=0)
+    # Trainable variables only: model.variables also holds the seed generators' state (docs/training.md).
+    kungfu.broadcast_variables(model.trainable_variables + opt.variables, root=0)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function(input_signature=list(ds.element_spec))  # batch dimension None: one trace for every size
@@ -371,15 +434,17 @@ def plot(records, main, bayes, path):
 def main(argv):
     del argv
     if FLAGS.quick:
-        FLAGS.train_size, FLAGS.test_size, FLAGS.budget = 4000, 1000, 2.0
-        FLAGS.targets, FLAGS.main_target = ["0.6", "0.7"], 0.7
+        for name, value in QUICK.items():
+            if not FLAGS[name].present:  # a flag given explicitly wins
+                setattr(FLAGS, name, FLAGS[name].parser.parse(value))
     targets = sorted(float(t) for t in FLAGS.targets)
     if FLAGS.main_target not in targets:
-        raise app.UsageError(f"--main_target={FLAGS.main_target} is not one of --targets={FLAGS.targets}")
+        raise app.UsageError(f"--main_target={FLAGS.main_target:g} is not one of --targets={','.join(FLAGS.targets)}")
     if FLAGS.threads:
         tf.config.threading.set_intra_op_parallelism_threads(FLAGS.threads)
         tf.config.threading.set_inter_op_parallelism_threads(FLAGS.threads)
     kungfu.init()
+    check_cluster(kungfu.size())
     start = time.time()
     x, y, x_test, y_test, bayes = make_images(FLAGS.train_size, FLAGS.test_size)
     log(f"{kungfu.size()} workers; {len(x)} training and {len(x_test)} test images, best possible test accuracy "

@@ -14,7 +14,9 @@ and the images per second of the whole cluster.
 import os
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up notices out of the output
+# Hides TF's C++ INFO and WARNING logs; TF 2.21's oneDNN start-up notice shows regardless (it comes before TF
+# sets up logging: only TF_ENABLE_ONEDNN_OPTS=0, oneDNN off, drops it).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -24,10 +26,12 @@ from absl import flags  # noqa: E402
 
 import kungfu  # noqa: E402
 
-flags.DEFINE_integer("epochs", 5, "Epochs to train.")
-flags.DEFINE_integer("steps_per_epoch", 30, "Steps per epoch.")
-flags.DEFINE_integer("batch_size", 32, "Images per step on each worker; the global batch is size() times that.")
+flags.DEFINE_integer("epochs", 5, "Epochs to train.", lower_bound=1)
+flags.DEFINE_integer("steps_per_epoch", 30, "Steps per epoch.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 32, "Images per step on each worker; the global batch is size() times that.",
+                     lower_bound=1)
 flags.DEFINE_float("learning_rate", 0.003, "Adam's learning rate (not scaled with the number of workers).")
+flags.register_validator("learning_rate", lambda lr: lr > 0, "must be > 0")
 FLAGS = flags.FLAGS
 
 SIDE, CLASSES = 16, 10

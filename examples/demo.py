@@ -11,7 +11,10 @@ import os
 import sys
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up notices out of the summary
+# Hides TensorFlow's C++ INFO and WARNING logs; ERRORs pass, such as oneDNN's "DT_HALF only on platforms with
+# AVX-512" (the float16 checks). TF 2.21 prints its oneDNN notice (twice) regardless: it is logged before TF's
+# logging is set up, where no level applies; only TF_ENABLE_ONEDNN_OPTS=0 (oneDNN off) drops it.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402

@@ -28,7 +28,9 @@ between consecutive steps, not between workers.
 import os
 import tempfile
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up notices out of the output
+# Hides TF's C++ INFO and WARNING logs; TF 2.21's oneDNN start-up notice shows regardless (it comes before TF
+# sets up logging: only TF_ENABLE_ONEDNN_OPTS=0, oneDNN off, drops it).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -40,11 +42,13 @@ import kungfu  # noqa: E402
 import kungfu.monitor  # noqa: E402
 from kungfu.keras import callbacks as kf_callbacks  # noqa: E402
 
-flags.DEFINE_integer("epochs", 12, "Passes over the training set.")
-flags.DEFINE_integer("batch_size", 32, "Examples per step on each worker; the global batch is size() times that.")
+flags.DEFINE_integer("epochs", 12, "Passes over the training set.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 32, "Examples per step on each worker; the global batch is size() times that.",
+                     lower_bound=1)
 flags.DEFINE_float("learning_rate", 0.05, "SGD's learning rate (momentum 0.9).")
-flags.DEFINE_integer("monitor_interval", 1, "Run the gradient monitors every this many steps.")
+flags.DEFINE_integer("monitor_interval", 1, "Run the gradient monitors every this many steps.", lower_bound=1)
 flags.DEFINE_string("out", None, "Directory for rank 0's plot (default: a new temporary directory).")
+flags.register_validator("learning_rate", lambda lr: lr > 0, "must be > 0")
 FLAGS = flags.FLAGS
 
 

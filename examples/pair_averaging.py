@@ -21,7 +21,9 @@ workers a pair-averaging step averages fully with the only peer): end with ssgd 
 
 import os
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up notices out of the output
+# Hides TF's C++ INFO and WARNING logs; TF 2.21's oneDNN start-up notice shows regardless (it comes before TF
+# sets up logging: only TF_ENABLE_ONEDNN_OPTS=0, oneDNN off, drops it).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -32,11 +34,15 @@ from sklearn.datasets import load_digits  # noqa: E402
 import kungfu  # noqa: E402
 from kungfu.keras import callbacks as kf_callbacks  # noqa: E402
 
-flags.DEFINE_integer("epochs", 12, "Passes over the training set.")
-flags.DEFINE_integer("batch_size", 32, "Examples per step on each worker.")
+flags.DEFINE_integer("epochs", 12, "Passes over the training set.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 32, "Examples per step on each worker.", lower_bound=1)
 flags.DEFINE_float("learning_rate", 0.01, "Adam's learning rate (not scaled with the number of workers).")
-flags.DEFINE_integer("final_epochs", 0, "Epochs at the end trained with --final_strategy (0: none).")
+flags.DEFINE_integer("final_epochs", 0, "Epochs at the end trained with --final_strategy (0: none; at most --epochs).",
+                     lower_bound=0)
 flags.DEFINE_enum("final_strategy", "sma", ["sma", "ssgd"], "The strategy of those epochs.")
+flags.register_validator("learning_rate", lambda lr: lr > 0, "must be > 0")
+flags.register_multi_flags_validator(["final_epochs", "epochs"], lambda f: f["final_epochs"] <= f["epochs"],
+                                     "--final_epochs must be between 0 and --epochs")
 FLAGS = flags.FLAGS
 
 

@@ -15,7 +15,9 @@ saves the weights (rank 0 only: the models are the same on every worker).
 import os
 import time
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's start-up notices out of the output
+# Hides TF's C++ INFO and WARNING logs; TF 2.21's oneDNN start-up notice shows regardless (it comes before TF
+# sets up logging: only TF_ENABLE_ONEDNN_OPTS=0, oneDNN off, drops it).
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -25,10 +27,12 @@ from absl import flags  # noqa: E402
 
 import kungfu  # noqa: E402
 
-flags.DEFINE_integer("epochs", 20, "Epochs to train.")
-flags.DEFINE_integer("batch_size", 32, "Images per step on each worker; the global batch is size() times that.")
+flags.DEFINE_integer("epochs", 20, "Epochs to train.", lower_bound=1)
+flags.DEFINE_integer("batch_size", 32, "Images per step on each worker; the global batch is size() times that "
+                     "(at most each worker's share of the 1500 training images).", lower_bound=1)
 flags.DEFINE_float("learning_rate", 0.003, "Adam's learning rate.")
 flags.DEFINE_string("out", "", "Directory for rank 0 to save the trained weights in; nothing is saved if empty.")
+flags.register_validator("learning_rate", lambda lr: lr > 0, "must be > 0")
 FLAGS = flags.FLAGS
 
 TEST_IMAGES = 297  # held out of the 1797 digits; every worker evaluates on the same ones
@@ -67,12 +71,16 @@ def main(argv):
     test, train = order[:TEST_IMAGES], order[TEST_IMAGES:]
     shard = train[rank::size]  # this worker's images
     steps_per_epoch = (len(train) // size) // FLAGS.batch_size  # the same on every worker
+    if steps_per_epoch == 0:
+        raise app.UsageError(f"--batch_size={FLAGS.batch_size} is more than each worker's {len(train) // size} "
+                             f"training images ({size} worker(s))")
 
     keras.utils.set_random_seed(rank)  # a different initial model on every worker, until the broadcast
     model = make_model()
     opt = keras.optimizers.Adam(FLAGS.learning_rate)
     opt.build(model.trainable_variables)  # create the optimizer's variables now, so they can be broadcast
-    broadcast_from_rank_0(model.variables + opt.variables)
+    # Trainable variables only: model.variables also holds the seed generators' state (docs/training.md).
+    broadcast_from_rank_0(model.trainable_variables + opt.variables)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
     @tf.function
