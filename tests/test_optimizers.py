@@ -119,6 +119,30 @@ def test_strategy_switch_eagerly_and_in_a_function():
     assert opt.strategy == "pair_averaging"
 
 
+def test_strategy_from_an_index_or_a_tensor_computed_in_the_step():
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD())
+    opt.set_strategy(1)  # an index, as ctx.set_strategy takes
+    assert opt.strategy == "sma"
+    for bad in (3, -1, True, 1.0):
+        with pytest.raises(ValueError, match="unknown strategy"):
+            opt.set_strategy(bad)
+    step = tf.function(lambda t: opt.set_strategy(t))
+    step(tf.constant("pair_averaging"))
+    assert opt.strategy == "pair_averaging"
+    step(tf.constant(0, tf.int64))
+    assert opt.strategy == "ssgd"
+    for bad in (tf.constant("async"), tf.constant(3)):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="unknown strategy"):
+            step(bad)
+    assert opt.strategy == "ssgd"
+    with pytest.raises(TypeError, match="tf.string name or an integer index"):
+        step(tf.constant(1.0))
+    opt.strategy_variable.assign(5)  # by hand, past every strategy
+    assert opt.strategy is None
+    opt.strategy = "sma"  # the way out (Keras reads the property before the assignment)
+    assert opt.strategy == "sma"
+
+
 @pytest.mark.parametrize("strategy", optimizers.STRATEGIES)
 def test_fit_on_one_worker_equals_the_plain_optimizer(strategy):
     weights = []

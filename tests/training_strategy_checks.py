@@ -50,6 +50,16 @@ def strategy_switch_without_retrace():
                              "switching strategies must not retrace")
     if opt.strategy != "ssgd" or int(opt.iterations.numpy()) != len(schedule):
         raise AssertionError(f"strategy {opt.strategy}, {int(opt.iterations.numpy())} iterations")
+    if kungfu.size() > 1:  # an index out of range, assigned by hand, fails the step (switch_case would run pair)
+        opt.strategy_variable.assign(len(kungfu.optimizers.STRATEGIES))
+        try:
+            step(x[:LOCAL_BATCH], y[:LOCAL_BATCH])
+        except tf.errors.InvalidArgumentError as e:
+            if "not the index of any strategy" not in e.message:
+                raise AssertionError(f"unclear error for a strategy index out of range: {e.message}") from e
+        else:
+            raise AssertionError("a step with a strategy index out of range ran")
+        opt.strategy = "ssgd"
     if not all(np.isfinite(losses)) or not np.mean(losses[-5:]) < np.mean(losses[:5]):
         raise AssertionError(f"training did not go on across the switches: losses {losses}")
 

@@ -50,9 +50,32 @@ STRATEGIES = ("ssgd", "sma", "pair_averaging")
 
 
 def strategy_index(strategy):
+    """The index in STRATEGIES of a strategy's name (or of an index, checked)."""
+    if isinstance(strategy, int) and not isinstance(strategy, bool) and 0 <= strategy < len(STRATEGIES):
+        return strategy
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} "
+                         f"(or its index, 0 to {len(STRATEGIES) - 1})")
     return STRATEGIES.index(strategy)
+
+
+def _strategy_index_tensor(strategy):
+    """strategy_index for a tensor computed in the graph: a tf.string name or an integer index, checked
+    when the step runs (InvalidArgumentError naming the choices)."""
+    choices = f"one of {', '.join(STRATEGIES)} (or its index, 0 to {len(STRATEGIES) - 1})"
+    if strategy.dtype == tf.string:
+        matches = tf.equal(tf.constant(STRATEGIES), strategy)
+        check = tf.debugging.Assert(tf.reduce_any(matches), ["unknown strategy", strategy, "; choose " + choices])
+        with tf.control_dependencies([check]):
+            return tf.argmax(tf.cast(matches, tf.int32), output_type=tf.int32)
+    if not strategy.dtype.is_integer:
+        raise TypeError(f"set_strategy: a strategy tensor must be a tf.string name or an integer index, "
+                        f"got {strategy.dtype.name}")
+    index = tf.cast(strategy, tf.int32)
+    check = tf.debugging.Assert(tf.logical_and(index >= 0, index < len(STRATEGIES)),
+                                ["unknown strategy index", index, "; choose " + choices])
+    with tf.control_dependencies([check]):
+        return tf.identity(index)
 
 
 class _Settings:
@@ -84,8 +107,11 @@ class DistributedMixin:
 
     @property
     def strategy(self):
-        """The current strategy's name: "ssgd", "sma" or "pair_averaging"."""
-        return STRATEGIES[int(self._kungfu.strategy.numpy())]
+        """The current strategy's name: "ssgd", "sma" or "pair_averaging"; None when strategy_variable was
+        assigned an index of none (the next step then fails, naming it). It does not raise: Keras reads
+        it before every assignment of opt.strategy, which must stay the way out."""
+        index = int(self._kungfu.strategy.numpy())
+        return STRATEGIES[index] if 0 <= index < len(STRATEGIES) else None
 
     @strategy.setter
     def strategy(self, strategy):
@@ -93,7 +119,10 @@ class DistributedMixin:
 
     def set_strategy(self, strategy):
         """Switches the strategy from the next step on; no retrace. Call it at the same step on every
-        worker. Works eagerly and inside tf.function (it assigns strategy_variable)."""
+        worker. strategy: a name of STRATEGIES or its index; inside tf.function also a tensor (a tf.string
+        name or an integer index, checked when the step runs). It assigns strategy_variable."""
+        if isinstance(strategy, (tf.Tensor, tf.Variable)):
+            return self._kungfu.strategy.assign(_strategy_index_tensor(tf.convert_to_tensor(strategy)))
         return self._kungfu.strategy.assign(strategy_index(strategy))
 
     @property
@@ -234,6 +263,13 @@ class DistributedMixin:
         if kf.store_prefix is None:
             kf.store_prefix = _averaging.new_store_prefix(variables)
         current, last = kf.strategy.read_value(), kf.last_strategy.read_value()
+        # tf.switch_case would run its last branch for an index out of range (strategy_variable assigned
+        # by hand): fail the step instead, naming the choices.
+        in_range = tf.debugging.Assert(tf.logical_and(current >= 0, current < len(STRATEGIES)),
+                                       [f"{self.name}: strategy_variable holds", current, "which is not the index "
+                                        f"of any strategy (0 to {len(STRATEGIES) - 1}: {', '.join(STRATEGIES)})"])
+        with tf.control_dependencies([in_range]):
+            current = tf.identity(current)
         switched = tf.logical_and(tf.not_equal(current, last), tf.greater_equal(last, 0))
         pair_index = strategy_index("pair_averaging")
         entering_pair = tf.logical_and(tf.equal(current, pair_index), tf.not_equal(last, pair_index))
