@@ -111,25 +111,28 @@ def _env(extra=None):
     return env
 
 
-def _preexec(ignored):
+def _preexec(ignored, closed):
     def setup():
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # SIGQUIT and friends: no core files in the tree
         for signum in ignored:
             signal.signal(signum, signal.SIG_IGN)
+        for fd in closed:
+            os.close(fd)
     return setup
 
 
-def start_kfrun(args, reaper, extra_env=None, ignored=()):
-    """Starts kfrun in a session of its own; ignored: signals it starts with ignored (as nohup does)."""
+def start_kfrun(args, reaper, extra_env=None, ignored=(), closed=()):
+    """Starts kfrun in a session of its own; ignored: signals it starts with ignored (as nohup does);
+    closed: its file descriptors to close (1: `kfrun ... >&-`), whose pipes here then read nothing."""
     proc = subprocess.Popen(KFRUN + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=_env(dict(extra_env or {}, PID_DIR=str(reaper[0]))), start_new_session=True,
-                            preexec_fn=_preexec(ignored))
+                            preexec_fn=_preexec(ignored, closed))
     reaper[1].append(proc)
     return proc
 
 
-def run_kfrun(args, reaper, extra_env=None, timeout=30):
-    proc = start_kfrun(args, reaper, extra_env)
+def run_kfrun(args, reaper, extra_env=None, timeout=30, closed=()):
+    proc = start_kfrun(args, reaper, extra_env, closed=closed)
     out, err = proc.communicate(timeout=timeout)
     return proc.returncode, out, err
 

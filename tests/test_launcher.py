@@ -46,7 +46,7 @@ def test_env_contract(np, reaper, tmp_path):
         assert (env["KUNGFU_LOCAL_RANK"], env["KUNGFU_LOCAL_SIZE"]) == (str(rank), str(np))
         assert (env["KUNGFU_TIMEOUT"], env["KUNGFU_CLUSTER_VERSION"]) == ("7", "0")
         assert spec == {"peers": peers, "rank": rank, "size": np, "local_rank": rank, "local_size": np,
-                        "token": token, "timeout": 7.0, "version": 0}
+                        "token": token, "timeout": 7.0, "version": 0, "launcher": "kfrun"}
     assert sorted(err.splitlines()) == [f"[{r}] to stderr" for r in range(np)]
 
 
@@ -74,6 +74,22 @@ def test_output_filename_copies_each_workers_output(reaper, tmp_path):
     blocker.write_text("")
     rc, out, err = run_kfrun(["-np", "1", "--output-filename", str(blocker / "logs"), "--", "true"], reaper)
     assert rc == 2 and "--output-filename" in err and "cannot make" in err, err
+
+
+@pytest.mark.parametrize("closed", [1, 2], ids=["stdout", "stderr"])
+def test_a_closed_output_stream_is_dropped_as_mpirun_does(closed, reaper):
+    """`kfrun ... >&-` (or 2>&-): the job runs, what would go to the closed stream is dropped, the rest is
+    shown, and the exit code is the job's."""
+    code = "import sys; print('out'); print('err', file=sys.stderr); sys.exit(3)"
+    rc, out, err = run_kfrun(["-np", "2", "--", sys.executable, "-c", code], reaper, closed=[closed])
+    assert rc == 3 and "Traceback" not in out + err, err
+    if closed == 1:
+        assert (out, sorted(err.splitlines())[:2]) == ("", ["[0] err", "[1] err"]), err
+        assert "failed with exit code 3" in err
+    else:
+        assert (sorted(out.splitlines()), err) == (["[0] out", "[1] out"], ""), err
+    rc, out, err = run_kfrun(["-np", "0", "--", "true"], reaper, closed=[closed])
+    assert rc == 2 and "Traceback" not in out + err, err
 
 
 def test_first_failure_exit_code_propagates(reaper):
@@ -132,6 +148,7 @@ def test_a_child_left_by_a_worker_that_exited_is_killed_and_named_so(reaper):
     (["-np", "1", "-H", "a:1", "--hostfile", "f", "--", "x"], "either -H or --hostfile"),
     (["-np", "1", "--port-range", "20-10", "--", "x"], "--port-range '20-10'"),
     (["-np", "1", "--timeout", "0", "--", "x"], "--timeout must be between 0.001 and 1e+07 seconds"),
+    (["-np", "1", "--", ""], "the worker command's program name is empty"),
     (["-np", "two", "--", "x"], "--np=two"),
     (["-np", "1", "--bogus", "--", "x"], "bogus"),
     (["-np", "2", "-H", "127.0.0.1:1,nohost.invalid:1", "--", "x"], "loopback name"),
@@ -175,8 +192,24 @@ def test_kungfu_timeout_in_the_environment_is_the_default(reaper):
     rc, out, err = run_kfrun(["-np", "1", "--timeout", "7", "--", sys.executable, "-c", code], reaper,
                              {"KUNGFU_TIMEOUT": "300"})
     assert (rc, out) == (0, "[0] 7\n"), err
-    rc, out, err = run_kfrun(["-np", "1", "--", "true"], reaper, {"KUNGFU_TIMEOUT": "soon"})
-    assert rc == 2 and "KUNGFU_TIMEOUT='soon'" in err, err
+    for value in ("soon", "0", "1e8", "inf"):  # the error names the variable the user set, not --timeout
+        rc, out, err = run_kfrun(["-np", "1", "--", "true"], reaper, {"KUNGFU_TIMEOUT": value})
+        assert rc == 2 and f"KUNGFU_TIMEOUT={value!r} is not a number of seconds from 0.001 to 1e+07" in err, err
+        assert "--timeout must" not in err, err
+
+
+def test_timeout_range_is_the_workers():
+    """kfrun accepts exactly the --timeout values its workers (kungfu._env) accept as KUNGFU_TIMEOUT."""
+    for value in (0.0009, 0.001, 1.5, 1e7, 1.0000001e7):
+        try:
+            took = cli.parse_args(["kfrun", "-np", "1", "--timeout", repr(value), "--", "x"]).timeout
+        except hosts.UsageError:
+            took = None
+        try:
+            wanted = env_mod.parse_timeout(repr(value))
+        except ValueError:
+            wanted = None
+        assert took == wanted, value
 
 
 def test_x_sets_the_variable_for_every_worker(reaper):
@@ -284,7 +317,7 @@ def test_a_port_is_free_again_once_its_job_ended():
 
 
 def test_init_errors_name_the_kfrun_flag_that_fixes_them():
-    cluster = SimpleNamespace(rank=1, size=2)
+    cluster = SimpleNamespace(rank=1, size=2, launcher="kfrun")
     text = "listening as 127.0.0.1:25002 (rank 1): bind port 25002: Address already in use"
     message = _lib._init_error_message(14, cluster, text)
     assert message.startswith("kungfu.init (rank 1 of 2): listening as") and "`kfrun --port-range A-B`" in message

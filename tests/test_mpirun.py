@@ -1,10 +1,12 @@
 """Cluster resolution without kfrun: OpenMPI's variables plus the rank-0 rendezvous (kungfu._rendezvous).
 
-mpirun runs real ranks (pure Python, no TensorFlow); the rendezvous's error paths run as threads in this
-process. mpirun is a test dependency: if it is missing the tests fail, naming the fix.
+mpirun runs real ranks (pure Python, no TensorFlow: the kungfu.init() they call fails before it loads
+the library); the rendezvous's error paths run as threads in this process. mpirun is a test dependency: if
+it is missing the tests fail, naming the fix.
 """
 
 import dataclasses
+import gc
 import json
 import os
 import shutil
@@ -15,11 +17,13 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
 import kungfu
 from kungfu import _env as env_mod
+from kungfu import _lib
 from kungfu import _rendezvous as rdv
 
 # Subprocesses import the same kungfu as this test, installed or from PYTHONPATH=python.
@@ -32,6 +36,27 @@ RANK_SCRIPT = (
     "spec = dataclasses.asdict(resolve_cluster())\n"
     "with open(os.path.join(sys.argv[1], str(spec['rank'])), 'w') as f: json.dump(spec, f)\n"
 )
+# Each rank writes what kungfu.init() raised ("ok" if nothing) to a file. The rank named by argv[2], if any,
+# stalls instead: it never calls init, and exits once the others have written theirs.
+INIT_SCRIPT = """
+import os, sys, time
+out, rank = sys.argv[1], os.environ["OMPI_COMM_WORLD_RANK"]
+if sys.argv[2:] == [rank]:
+    size = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    deadline = time.monotonic() + 60
+    while len([n for n in os.listdir(out) if n.isdigit()]) < size - 1 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    sys.exit(0)
+import kungfu
+try:
+    kungfu.init()
+    result = "ok"
+except Exception as e:
+    result = f"{type(e).__module__}.{type(e).__name__}: {e}"
+with open(os.path.join(out, rank + ".tmp"), "w") as f:
+    f.write(result)
+os.rename(f.name, os.path.join(out, rank))
+"""
 
 
 def _free_port():
@@ -40,23 +65,33 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _mpirun(tmp_path, np, extra_args=(), timeout=60):
+def _mpirun(tmp_path, np, extra_args=(), timeout=60, script=RANK_SCRIPT, script_args=()):
+    """Runs script on np ranks (argv[1]: tmp_path, where each rank writes a file named by its rank);
+    returns what each rank wrote, read as JSON for RANK_SCRIPT, else as text."""
     mpirun = shutil.which("mpirun")
     if mpirun is None:
         pytest.fail("mpirun not found: these tests need OpenMPI; run `make deps` (Debian: apt-get install openmpi-bin)")
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUNGFU_")}
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONPATH=PYTHONPATH)
-    argv = [mpirun, "--oversubscribe", "-np", str(np), *extra_args, sys.executable, "-c", RANK_SCRIPT, str(tmp_path)]
+    argv = [mpirun, "--oversubscribe", "-np", str(np), *extra_args, sys.executable, "-c", script, str(tmp_path),
+            *script_args]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # mpirun and, in its group, the ranks it started
-            proc.wait()
+            proc.terminate()  # mpirun stops its ranks (each in a process group of its own) on SIGTERM
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     assert proc.returncode == 0, f"mpirun failed ({proc.returncode}):\n{out}\n{err}"
-    assert sorted(os.listdir(tmp_path)) == [str(r) for r in range(np)], out + err
+    ranks = sorted(int(name) for name in os.listdir(tmp_path))
+    if script is not RANK_SCRIPT:
+        return {r: (tmp_path / str(r)).read_text() for r in ranks}
+    assert ranks == list(range(np)), out + err
     return [json.loads((tmp_path / str(r)).read_text()) for r in range(np)]
 
 
@@ -66,7 +101,7 @@ def _check_agree(specs, np):
     assert len(peers) == np and len(set(peers)) == np
     assert all(p.startswith("127.0.0.1:") for p in peers)
     for s in specs:
-        assert (s["peers"], s["token"], s["size"], s["version"]) == (peers, token, np, 0)
+        assert (s["peers"], s["token"], s["size"], s["version"], s["launcher"]) == (peers, token, np, 0, "mpirun")
         assert (s["local_rank"], s["local_size"]) == (s["rank"], np)
     return token
 
@@ -167,12 +202,85 @@ def test_worker_retries_until_rank0_listens():
 
 
 def test_missing_rank_is_named_on_timeout():
+    """Rank 0's timeout reaches the ranks that did register as a timeout too (not a refusal), so that
+    kungfu.init() raises CollectiveTimeout on every rank."""
     port = _free_port()
     start = time.monotonic()
     server, client = _in_threads([lambda: _serve(port, 3, timeout=1.0), lambda: _register(port, 1, 3)])
-    assert isinstance(server, TimeoutError) and "rank(s) [2] of 3 never registered" in str(server)
-    assert isinstance(client, ConnectionError) and "never registered" in str(client)
+    assert isinstance(server, TimeoutError) and "rank(s) [2] of 3 never registered within 1s" in str(server)
+    assert isinstance(client, TimeoutError), repr(client)
+    assert "gave up on rank 1: rank(s) [2] of 3 never registered" in str(client)
     assert time.monotonic() - start < 5
+
+
+def test_every_rank_raises_collective_timeout_when_one_never_comes(tmp_path):
+    results = _mpirun(tmp_path, 3, ["-x", "KUNGFU_TIMEOUT=2"], script=INIT_SCRIPT, script_args=["1"])
+    assert sorted(results) == [0, 2], results
+    for rank, result in results.items():
+        assert result.startswith("kungfu.errors.CollectiveTimeout: kungfu.init: rendezvous timed out: "), result
+        assert result.count("timed out") == 1, result  # said once, not "timed out: rendezvous timed out"
+    assert "rank(s) [1] of 3 never registered within 2s (KUNGFU_TIMEOUT)" in results[0]
+
+
+@pytest.mark.parametrize("value", ["inf", "1e12", "1e8", "10000000.5", "0.0001", "0", "-1", "nan", " 5", "soon", ""])
+def test_kungfu_timeout_outside_the_engines_range_is_refused_at_once(value):
+    """Before any rendezvous: no OverflowError from a socket timeout (inf, 1e12), no rendezvous that times
+    out (0.0001) or waits for ages (1e8) before the engine refuses the value."""
+    port = _free_port()
+    start = time.monotonic()
+    results = _in_threads([lambda r=r: env_mod.resolve_cluster(_ompi_env(r, 2, port, KUNGFU_TIMEOUT=value))
+                           for r in range(2)], timeout=5)
+    for e in results:
+        assert isinstance(e, ValueError), repr(e)
+        assert f"KUNGFU_TIMEOUT={value!r} is not a number of seconds from 0.001 to 1e+07" in str(e)
+    assert time.monotonic() - start < 2
+
+
+def test_kungfu_timeout_range_is_the_engines():
+    assert env_mod.parse_timeout("0.001") == 0.001 and env_mod.parse_timeout("1e7") == 1e7
+    assert (env_mod.TIMEOUT_MIN, env_mod.TIMEOUT_MAX) == (0.001, 1e7)  # ReadEnvNumber in cc/engine_api.cc
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cc", "engine_api.cc")) as f:
+        assert 'ReadEnvNumber("KUNGFU_TIMEOUT", 0.001, 1e7, &timeout)' in f.read()
+
+
+def test_init_under_mpirun_refuses_a_bad_kungfu_timeout(tmp_path):
+    results = _mpirun(tmp_path, 2, ["-x", "KUNGFU_TIMEOUT=inf"], script=INIT_SCRIPT, timeout=30)
+    assert sorted(results) == [0, 1], results
+    for result in results.values():
+        assert result.startswith("builtins.ValueError: KUNGFU_TIMEOUT='inf' is not a number of seconds from 0.001 "
+                                 "to 1e+07"), result
+
+
+def test_init_holds_the_engine_port_until_the_engine_binds_it(monkeypatch):
+    """The port a rank reserves for its engine before the rendezvous stays bound while init() loads the
+    library (and TensorFlow: seconds), so that no outgoing connection can take it; the engine binds it
+    right after. Rank 0 runs init() with the loading and the engine faked; rank 1 only resolves."""
+    port = _free_port()
+    for name in [n for n in os.environ if n.startswith("KUNGFU_")]:
+        monkeypatch.delenv(name)
+    for name, value in _ompi_env(0, 2, port).items():
+        monkeypatch.setenv(name, value)
+    seen = {}
+
+    def fake_load():  # the ports of this process's open sockets once "TensorFlow" has loaded
+        seen["bound"] = {s.getsockname()[1] for s in gc.get_objects()
+                         if isinstance(s, socket.socket) and s.fileno() >= 0}
+        return SimpleNamespace(c=SimpleNamespace(kungfu_init=fake_engine_start))
+
+    def fake_engine_start(peers, rank, token, timeout, version, err, err_len):
+        own = int(peers.decode().split(",")[rank].rpartition(":")[2])
+        seen["held during load"] = own in seen["bound"]
+        with socket.socket() as s:  # as the engine binds it (cc/transport/socket.cc): released by now
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", own))
+        return 0
+
+    monkeypatch.setattr(_lib, "load", fake_load)
+    monkeypatch.setattr(_lib, "_cluster", None)  # restored (to not initialized) at the end
+    monkeypatch.setattr(_lib, "_atexit_registered", True)
+    rank0, rank1 = _in_threads([_lib.init, lambda: env_mod.resolve_cluster(_ompi_env(1, 2, port))])
+    assert rank0 is None and isinstance(rank1, env_mod.ClusterSpec), (rank0, rank1)
+    assert seen["held during load"] and _lib.size() == 2
 
 
 def test_nobody_listening_times_out():
@@ -215,3 +323,30 @@ def test_oversized_message_is_refused_and_serving_goes_on():
 
     server, reply, client = _in_threads([lambda: _serve(port, 2), rogue, honest])
     assert "exceeds" in reply["error"] and client == server
+
+
+def test_init_errors_under_mpirun_name_mpiruns_knobs(monkeypatch):
+    """Not kfrun's flags, which an mpirun user has no use for: in init's errors and in a collective's."""
+    monkeypatch.delenv("KUNGFU_PEERS", raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")  # what mpirun sets
+    cluster = env_mod.ClusterSpec(["127.0.0.1:25001", "127.0.0.1:25002"], 1, 2, 1, 2, "t", 5.0, 0, "mpirun")
+    knob = "set by `mpirun -x KUNGFU_TIMEOUT=S`"
+    for code, text, hint in [
+        (4, "peer 127.0.0.1:25001 (rank 0): not up", f"(the deadline is KUNGFU_TIMEOUT, {knob})"),
+        (4, "connecting to rank 0: timed out after 5 s (KUNGFU_TIMEOUT)", f"(KUNGFU_TIMEOUT, {knob})"),
+        (14, "listening as 127.0.0.1:25002 (rank 1): bind port 25002: Address already in use", "start the job again"),
+    ]:
+        message = str(kungfu.errors.from_code(code, _lib._init_error_message(code, cluster, text)))
+        assert hint in message and "kfrun" not in message, message
+    collective = str(kungfu.errors.from_code(4, "allreduce 'g': timed out after 5 s (KUNGFU_TIMEOUT); waiting for "
+                                                "rank 1"))
+    assert f"(KUNGFU_TIMEOUT, {knob}); waiting for rank 1" in collective, collective
+
+    def rendezvous_timeout():
+        raise TimeoutError("still waiting for rank 0's rendezvous at 127.0.0.1:20001 to hear from all 2 ranks at the "
+                           "deadline")
+
+    monkeypatch.setattr(env_mod, "resolve_cluster", rendezvous_timeout)
+    with pytest.raises(kungfu.errors.CollectiveTimeout) as e:
+        _lib._resolve_cluster()
+    assert str(e.value).endswith(f"2 ranks at the deadline (KUNGFU_TIMEOUT, {knob})"), str(e.value)

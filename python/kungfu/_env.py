@@ -7,23 +7,30 @@ Sources, first match wins:
      rendezvous with rank 0 (kungfu._rendezvous) at KUNGFU_RENDEZVOUS=host:port. When it is unset and
      every rank is on this machine, the address is 127.0.0.1 and a port derived from OpenMPI's job id.
   c. Nothing: a single worker (no peers, no token).
-KUNGFU_TIMEOUT (seconds, default 60) applies to all. Bad values raise ValueError naming the variable.
+KUNGFU_TIMEOUT (seconds, default 60, within the engine's TIMEOUT_MIN..TIMEOUT_MAX) applies to all. Bad
+values raise ValueError naming the variable, before any rendezvous.
 Call it once per process: under mpirun every call is a new rendezvous that all ranks must join.
+Under mpirun the engine port is reserved (bound) before the rendezvous; resolve_cluster releases it when
+it returns, unless called inside engine_port_held(), which releases it when its block ends.
 This module imports only the standard library and kungfu._rendezvous (no TensorFlow).
 """
 
+import contextlib
 import dataclasses
 import os
 import socket
+import threading
 import zlib
 
 from . import _rendezvous
 
 DEFAULT_TIMEOUT = 60.0
+TIMEOUT_MIN, TIMEOUT_MAX = 0.001, 1e7  # seconds: the engine's range for KUNGFU_TIMEOUT (cc/engine_api.cc)
 RENDEZVOUS_PORT_BASE = 20000  # derived ports lie in [BASE, BASE + SPAN): below Linux's ephemeral
 RENDEZVOUS_PORT_SPAN = 12000  # range (32768+), so the kernel never hands one out to a connection
 _KFRUN_ONLY = ("KUNGFU_RANK", "KUNGFU_SIZE", "KUNGFU_LOCAL_RANK", "KUNGFU_LOCAL_SIZE", "KUNGFU_CLUSTER_VERSION")
 _JOB_ID_VARS = ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")  # same for every rank of one mpirun job
+_held = threading.local()  # .sockets: inside engine_port_held(), where _meet_rank0 leaves its reserved port
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +43,7 @@ class ClusterSpec:
     token: str  # the job secret the engine proves in its handshake; "" for a lone worker
     timeout: float  # seconds: the deadline of every blocking wait
     version: int  # cluster version (epoch) of this peer list
+    launcher: str = ""  # "kfrun" or "mpirun": whose knobs error hints name; "" when neither started it
 
 
 def _int(env, name, default=None, source=""):
@@ -55,17 +63,22 @@ def _check_range(name, value, lo, hi, hi_name):
         raise ValueError(f"{name}={value} is out of range: it must be in [{lo}, {hi_name}={hi})")
 
 
-def _timeout(env):
-    text = env.get("KUNGFU_TIMEOUT")
-    if text is None:
-        return DEFAULT_TIMEOUT
+def parse_timeout(text):
+    """KUNGFU_TIMEOUT's text -> seconds. Checked here against the engine's range, so that a bad value
+    fails at once, not after the rendezvous (and never overflows a socket timeout: inf, 1e12)."""
     try:
-        value = float(text)
+        value = float(text) if text == text.strip() else float("nan")  # the engine refuses trailing blanks
     except ValueError:
         value = float("nan")
-    if not value > 0:
-        raise ValueError(f"KUNGFU_TIMEOUT={text!r} must be a positive number of seconds")
+    if not TIMEOUT_MIN <= value <= TIMEOUT_MAX:  # also refuses nan
+        raise ValueError(f"KUNGFU_TIMEOUT={text!r} is not a number of seconds from {TIMEOUT_MIN:g} to "
+                         f"{TIMEOUT_MAX:g} (the engine's range)")
     return value
+
+
+def _timeout(env):
+    text = env.get("KUNGFU_TIMEOUT")
+    return DEFAULT_TIMEOUT if text is None else parse_timeout(text)
 
 
 def parse_address(text, name):
@@ -108,7 +121,8 @@ def _from_kfrun(env, timeout):
     _check_range("KUNGFU_LOCAL_RANK", local_rank, 0, local_size, "KUNGFU_LOCAL_SIZE")
     version = _int(env, "KUNGFU_CLUSTER_VERSION", 0)
     _check_range("KUNGFU_CLUSTER_VERSION", version, 0, 1 << 32, "2**32")
-    return ClusterSpec(peers, rank, size, local_rank, local_size, env.get("KUNGFU_TOKEN", ""), timeout, version)
+    return ClusterSpec(peers, rank, size, local_rank, local_size, env.get("KUNGFU_TOKEN", ""), timeout, version,
+                       "kfrun")
 
 
 def job_id(env):
@@ -165,20 +179,59 @@ def _from_openmpi(env, timeout):
     local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", source=src)
     _check_range("OMPI_COMM_WORLD_LOCAL_RANK", local_rank, 0, local_size, "OMPI_COMM_WORLD_LOCAL_SIZE")
     if size == 1:
-        return ClusterSpec([], 0, 1, 0, 1, "", timeout, 0)
+        return ClusterSpec([], 0, 1, 0, 1, "", timeout, 0, "mpirun")
     address = _rendezvous_address(env, size, local_size)
     host = _engine_host(env, address, local_size == size)
-    token = env.get("KUNGFU_TOKEN", "")
-    # Hold the engine port while the rendezvous runs, so the kernel cannot give it to a connection.
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as reserved:
+    peers, token = _meet_rank0(env, rank, size, address, host, timeout)
+    return ClusterSpec(peers, rank, size, local_rank, local_size, token, timeout, 0, "mpirun")
+
+
+def _meet_rank0(env, rank, size, address, host, timeout):
+    """Binds a free engine port, then joins the rendezvous (kungfu._rendezvous); returns (peers, token).
+    The port stays bound through the rendezvous and, inside engine_port_held(), until that block ends,
+    so that the kernel cannot give it to an outgoing connection before the engine binds it."""
+    reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
         reserved.bind(("0.0.0.0", 0))
         peer = f"{host}:{reserved.getsockname()[1]}"
+        token = env.get("KUNGFU_TOKEN", "")
         if rank == 0:
             with _rendezvous.listen(address, size) as listener:
-                peers, token = _rendezvous.serve(listener, size, peer, job_id(env), token, timeout)
+                result = _rendezvous.serve(listener, size, peer, job_id(env), token, timeout)
         else:
-            peers, token = _rendezvous.register(address, rank, size, peer, job_id(env), token, timeout)
-    return ClusterSpec(peers, rank, size, local_rank, local_size, token, timeout, 0)
+            result = _rendezvous.register(address, rank, size, peer, job_id(env), token, timeout)
+    except BaseException:
+        reserved.close()
+        raise
+    keep = getattr(_held, "sockets", None)
+    if keep is None:
+        reserved.close()
+    else:
+        keep.append(reserved)
+    return result
+
+
+@contextlib.contextmanager
+def engine_port_held():
+    """Within this block, the engine port that resolve_cluster reserves under mpirun stays bound after it
+    returns; it is released when the block ends. kungfu.init() loads the library (and TensorFlow, seconds)
+    inside it and starts the engine, which binds that port, right after."""
+    _held.sockets = []
+    try:
+        yield
+    finally:
+        for s in _held.sockets:
+            s.close()
+        del _held.sockets
+
+
+def timeout_knob(environ=None):
+    """What sets KUNGFU_TIMEOUT for this worker's launcher, for error hints: mpirun's -x under OpenMPI (no
+    KUNGFU_PEERS, an OpenMPI rank), else kfrun's flag."""
+    env = os.environ if environ is None else environ
+    if "KUNGFU_PEERS" not in env and "OMPI_COMM_WORLD_RANK" in env:
+        return "`mpirun -x KUNGFU_TIMEOUT=S`"
+    return "`kfrun --timeout`"
 
 
 def resolve_cluster(environ=None):

@@ -113,16 +113,13 @@ def init():
         if _cluster is not None:
             return
         bind_to = _bind.check_mode(os.environ.get(_bind.ENV, "none"))
-        try:
-            cluster = _env.resolve_cluster()
-        except TimeoutError as e:
-            raise errors.CollectiveTimeout(f"kungfu.init: rendezvous timed out: {e}") from e
-        except ConnectionError as e:  # refused by rank 0 (another job, another token) or cut off
-            raise errors.PeerError(f"kungfu.init: rendezvous failed: {e}") from e
-        except OSError as e:  # e.g. rank 0 cannot bind the rendezvous port
-            raise errors.EngineError(f"kungfu.init: rendezvous failed: {e}") from e
-        _bind.bind(bind_to, cluster.local_rank, cluster.local_size)  # before the engine starts its threads
-        lib = load()
+        # Under mpirun, resolve_cluster reserves this worker's engine port for the rendezvous; it stays
+        # held while the library (and TensorFlow: seconds) loads, and is released just before the engine
+        # binds it, so that no outgoing connection can take it in between.
+        with _env.engine_port_held():
+            cluster = _resolve_cluster()
+            _bind.bind(bind_to, cluster.local_rank, cluster.local_size)  # before the engine starts its threads
+            lib = load()
         err = ctypes.create_string_buffer(_ERR_LEN)
         code = lib.c.kungfu_init(",".join(cluster.peers).encode(), cluster.rank, cluster.token.encode(),
                                  float(cluster.timeout), cluster.version, err, _ERR_LEN)
@@ -135,14 +132,41 @@ def init():
             _atexit_registered = True
 
 
+# The fix for a taken engine port that init's error names, by launcher (ClusterSpec.launcher; a lone worker
+# gets kfrun's): under mpirun the kernel picked the port and the worker held it until the engine bound it
+# (_env), so only a rerun picks another. (What sets KUNGFU_TIMEOUT: _env.timeout_knob.)
+_PORT_TAKEN_HINT = {
+    "kfrun": "another job or program holds that port (two jobs started at once may pick the same ports): give "
+             "this job other ports with `kfrun --port-range A-B`",
+    "mpirun": "another program took the port this worker had reserved for its engine; start the job again",
+}
+
+
+def _resolve_cluster():
+    """_env.resolve_cluster(), with its rendezvous failures (only mpirun has a rendezvous) as KungFuErrors."""
+    from . import _env
+
+    try:
+        return _env.resolve_cluster()
+    except TimeoutError as e:  # on every rank once rank 0's deadline has passed (kungfu._rendezvous)
+        hint = "" if "KUNGFU_TIMEOUT" in str(e) else f" (KUNGFU_TIMEOUT, set by {_env.timeout_knob()})"
+        raise errors.CollectiveTimeout(f"kungfu.init: rendezvous timed out: {e}{hint}") from e
+    except ConnectionError as e:  # refused by rank 0 (another job, another token) or cut off
+        raise errors.PeerError(f"kungfu.init: rendezvous failed: {e}") from e
+    except OSError as e:  # e.g. rank 0 cannot bind the rendezvous port
+        raise errors.EngineError(f"kungfu.init: rendezvous failed: {e}") from e
+
+
 def _init_error_message(code, cluster, text):
-    """The message of init's error, with a hint at the kfrun flag that fixes the usual causes."""
+    """The message of init's error, with a hint at what fixes the usual causes under the job's launcher
+    (errors.from_code then names what sets KUNGFU_TIMEOUT where the engine's text has "(KUNGFU_TIMEOUT)")."""
+    from . import _env
+
     message = f"kungfu.init (rank {cluster.rank} of {cluster.size}): {text}"
     if "Address already in use" in text:
-        message += ("; another job or program holds that port (two jobs started at once may pick the same "
-                    "ports): give this job other ports with `kfrun --port-range A-B`")
+        message += "; " + _PORT_TAKEN_HINT["mpirun" if cluster.launcher == "mpirun" else "kfrun"]
     elif code == errors._DEADLINE_EXCEEDED and "KUNGFU_TIMEOUT" not in text:
-        message += " (the deadline is KUNGFU_TIMEOUT, set by `kfrun --timeout`)"
+        message += f" (the deadline is KUNGFU_TIMEOUT, set by {_env.timeout_knob()})"
     return message
 
 

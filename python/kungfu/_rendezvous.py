@@ -4,11 +4,13 @@ address and hands back the full peer list and the job token.
 Protocol (TCP, one connection per worker, messages are a 4-byte big-endian length then UTF-8 JSON,
 at most MAX_MESSAGE bytes):
     worker -> rank 0: {"proto", "job", "rank", "size", "peer": "host:port", "proof"?}
-    rank 0 -> worker: {"peers": [...], "token"?} or {"error": "..."}
+    rank 0 -> worker: {"peers": [...], "token"?} or {"error": "...", "timed_out"?: true}
   - "job" is the launcher's job id, so a worker that reaches another job's rank 0 (two jobs whose
     derived ports collide) is refused instead of joining it.
   - When KUNGFU_TOKEN is given to every rank, "proof" is HMAC-SHA256(token, job|rank|peer): rank 0
     checks it and never sends the token. Otherwise rank 0 generates the token and sends it.
+  - "timed_out": rank 0's deadline passed before every rank registered. The workers then raise
+    TimeoutError, as rank 0 does, so that every rank fails with the same error class.
 Rank 0 keeps its listening socket open until every worker has been answered, then closes it.
 Every socket operation has a deadline; workers retry connecting while rank 0 is not up yet.
 This module imports only the standard library (no TensorFlow), so launchers and tests can use it.
@@ -28,10 +30,14 @@ PER_CONNECTION_SECONDS = 10.0  # bound on how long one worker may take to send i
 _HEADER = struct.Struct("!I")
 
 
+def _timed_out(what):
+    return TimeoutError(f"still {what} at the deadline")
+
+
 def _remaining(deadline, what):
     left = deadline - time.monotonic()
     if left <= 0:
-        raise TimeoutError(f"timed out {what}")
+        raise _timed_out(what)
     return left
 
 
@@ -42,7 +48,7 @@ def _recv_exact(sock, n, deadline, what):
         try:
             chunk = sock.recv(min(n, 1 << 16))
         except socket.timeout:
-            raise TimeoutError(f"timed out {what}") from None
+            raise _timed_out(what) from None
         if not chunk:
             raise ConnectionError(f"connection closed {what}")
         chunks.append(chunk)
@@ -71,7 +77,7 @@ def send_message(sock, message, deadline, what="sending a rendezvous message"):
     try:
         sock.sendall(_HEADER.pack(len(body)) + body)
     except socket.timeout:
-        raise TimeoutError(f"timed out {what}") from None
+        raise _timed_out(what) from None
 
 
 def proof(token, job, rank, peer):
@@ -170,9 +176,9 @@ def serve(listener, size, self_peer, job="", token="", timeout=60.0):
                 server.accept_one(listener)
             except TimeoutError:
                 why = f" (refused: {'; '.join(server.rejected)})" if server.rejected else ""
-                error = (f"rendezvous timed out after {timeout:g}s (KUNGFU_TIMEOUT): rank(s) {server.missing()} of "
-                         f"{size} never registered{why}; check they were started and can reach rank 0")
-                server.answer_all({"error": error})
+                error = (f"rank(s) {server.missing()} of {size} never registered within {timeout:g}s "
+                         f"(KUNGFU_TIMEOUT){why}; check they were started and can reach rank 0")
+                server.answer_all({"error": error, "timed_out": True})
                 raise TimeoutError(error) from None
         peers = [server.peers[r] for r in range(size)]
         server.answer_all({"peers": peers} if server.token_given else {"peers": peers, "token": server.token})
@@ -212,6 +218,8 @@ def register(address, rank, size, peer, job="", token="", timeout=60.0):
         send_message(sock, msg, deadline, f"registering with {where}")
         reply = recv_message(sock, deadline, f"waiting for {where} to hear from all {size} ranks")
     if "error" in reply:
+        if reply.get("timed_out") is True:  # rank 0 raises TimeoutError too: every rank fails alike
+            raise TimeoutError(f"{where} gave up on rank {rank}: {reply['error']}")
         raise ConnectionError(f"{where} refused rank {rank}: {reply['error']}")
     peers, got_token = reply.get("peers"), reply.get("token", token)
     if not isinstance(peers, list) or len(peers) != size or peers[rank] != peer or not isinstance(got_token, str):

@@ -94,9 +94,12 @@ _BY_CODE = {
 
 
 def with_timeout_hint(code, message):
-    """message, with the engine's "(KUNGFU_TIMEOUT)" in a timeout naming kfrun's flag that sets it too."""
-    if code == _DEADLINE_EXCEEDED and "kfrun --timeout" not in message:
-        return message.replace("(KUNGFU_TIMEOUT)", "(KUNGFU_TIMEOUT, set by `kfrun --timeout`)", 1)
+    """message, with the engine's "(KUNGFU_TIMEOUT)" in a timeout naming what sets it under this worker's
+    launcher too (kfrun's flag, or mpirun's -x)."""
+    from ._env import timeout_knob
+
+    if code == _DEADLINE_EXCEEDED and "(KUNGFU_TIMEOUT)" in message:
+        return message.replace("(KUNGFU_TIMEOUT)", f"(KUNGFU_TIMEOUT, set by {timeout_knob()})", 1)
     return message
 
 

@@ -4,7 +4,8 @@
 
 Each worker gets KUNGFU_PEERS, KUNGFU_RANK, KUNGFU_SIZE, KUNGFU_LOCAL_RANK, KUNGFU_LOCAL_SIZE,
 KUNGFU_TOKEN, KUNGFU_TIMEOUT and KUNGFU_CLUSTER_VERSION (read by kungfu._env.resolve_cluster).
-See docs/launcher.md. This package imports nothing from the rest of kungfu (no TensorFlow).
+See docs/launcher.md. This package imports nothing from the rest of kungfu but kungfu._env's timeout
+range (the standard library only; no TensorFlow).
 """
 
 import os
@@ -23,9 +24,20 @@ from .worker import LaunchError
 __all__ = ["main", "run"]
 
 
+def _write(stream, text):
+    """Writes text to sys.stdout or sys.stderr, or drops it when that stream is closed (`>&-`: Python makes
+    it None, or, started through a shell wrapper, a stream on a descriptor that cannot be written)."""
+    if stream is None:
+        return
+    try:
+        stream.write(text)
+        stream.flush()
+    except (OSError, ValueError):
+        pass
+
+
 def _usage_error(message):
-    sys.stderr.write(f"kfrun: error: {message}\nRun `kfrun --help` for usage.\n")
-    sys.stderr.flush()
+    _write(sys.stderr, f"kfrun: error: {message}\nRun `kfrun --help` for usage.\n")
     return 2
 
 
@@ -41,7 +53,7 @@ def run(argv):
     try:
         opts = cli.parse_args(argv)
         if opts is None:
-            sys.stdout.write(cli.help_text())
+            _write(sys.stdout, cli.help_text())
             return 0
         specs = _plan(opts)
         cli.make_output_dirs(opts)

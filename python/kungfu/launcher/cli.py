@@ -11,6 +11,7 @@ import os
 
 from absl import flags
 
+from .. import _env  # the standard library only: KUNGFU_TIMEOUT's range, shared with the workers
 from . import hosts as hosts_lib
 from . import plan
 from . import ssh
@@ -103,7 +104,7 @@ def _hosts(fv, np):
     return [hosts_lib.HostSpec("127.0.0.1", np)]
 
 
-def _seconds(name, value, low, high=1e7, low_open=True):
+def _seconds(name, value, low, high=_env.TIMEOUT_MAX, low_open=True):
     """A finite number of seconds in (low, high], or [low, high] when not low_open."""
     if not math.isfinite(value) or value > high or (value <= low if low_open else value < low):
         if low == 0:
@@ -111,6 +112,17 @@ def _seconds(name, value, low, high=1e7, low_open=True):
             raise UsageError(f"--{name} must {bound} and at most {high:g} seconds, got {value:g}")
         raise UsageError(f"--{name} must be between {low:g} and {high:g} seconds, got {value:g}")
     return value
+
+
+def _timeout(fv):
+    """--timeout, else KUNGFU_TIMEOUT from kfrun's environment (as the workers would have read it), else 60;
+    within the engine's range (kungfu._env.TIMEOUT_MIN..TIMEOUT_MAX). The error names where it came from."""
+    if fv["timeout"].present or "KUNGFU_TIMEOUT" not in os.environ:
+        return _seconds("timeout", fv.timeout, _env.TIMEOUT_MIN, _env.TIMEOUT_MAX, low_open=False)
+    try:
+        return _env.parse_timeout(os.environ["KUNGFU_TIMEOUT"])
+    except ValueError as e:
+        raise UsageError(f"{e}; kfrun takes it from its environment when --timeout is not given") from None
 
 
 def parse_args(argv):
@@ -129,16 +141,11 @@ def parse_args(argv):
     command = rest[1:]
     if not command:
         raise UsageError("no worker command; put it after --, e.g. kfrun -np 2 -- python train.py")
-    # The engine accepts KUNGFU_TIMEOUT from 0.001 to 1e7 seconds (cc/engine.cc). Without --timeout, a
-    # KUNGFU_TIMEOUT in kfrun's environment counts, as the workers would have read it.
-    timeout = fv.timeout
-    if not fv["timeout"].present and "KUNGFU_TIMEOUT" in os.environ:
-        try:
-            timeout = float(os.environ["KUNGFU_TIMEOUT"])
-        except ValueError:
-            raise UsageError(f"KUNGFU_TIMEOUT={os.environ['KUNGFU_TIMEOUT']!r} is not a number of seconds") from None
-    timeout = _seconds("timeout", timeout, 0.001, low_open=False)
-    grace = _seconds("grace", timeout + 10 if fv.grace is None else fv.grace, 0, 1e7 + 10, low_open=False)
+    if not command[0]:
+        raise UsageError("the worker command's program name is empty (''); e.g. kfrun -np 2 -- python train.py")
+    timeout = _timeout(fv)
+    grace = _seconds("grace", timeout + 10 if fv.grace is None else fv.grace, 0, _env.TIMEOUT_MAX + 10,
+                     low_open=False)
     return Options(
         np=fv.np,
         hosts=_hosts(fv, fv.np),

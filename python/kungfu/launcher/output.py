@@ -4,6 +4,7 @@ One thread per pipe reads lines; every write of a line (to either stream) happen
 so lines of different workers never interleave mid-line. A line longer than MAX_LINE is cut into
 pieces, each printed as its own prefixed line, so a worker cannot make kfrun buffer without bound.
 With kfrun --output-filename, each pump also copies its lines, unprefixed, to a file of its own.
+When kfrun's stdout or stderr is closed (`kfrun ... >&-`), what would go there is dropped, as mpirun does.
 """
 
 import os
@@ -19,8 +20,8 @@ class LinePrinter:
     workers then block too, as under mpirun) and kfrun's own notes (queued; see message())."""
 
     def __init__(self, stdout=None, stderr=None):
-        self._out = stdout if stdout is not None else sys.stdout.buffer
-        self._err = stderr if stderr is not None else sys.stderr.buffer
+        self._out = stdout if stdout is not None else _binary(sys.stdout)
+        self._err = stderr if stderr is not None else _binary(sys.stderr)
         self._lock = threading.Lock()  # one line at a time, whoever writes it
         self._notes = queue.SimpleQueue()  # its put() may be called from a signal handler
         self._notes_writer = threading.Thread(target=self._write_notes, name="kfrun-notes", daemon=True)
@@ -35,8 +36,8 @@ class LinePrinter:
             try:
                 stream.write(prefix + line)
                 stream.flush()
-            except (BrokenPipeError, ValueError):
-                pass  # our reader went away (e.g. `kfrun ... | head`); keep draining the worker
+            except (OSError, ValueError):
+                pass  # our reader went away (e.g. `kfrun ... | head`), or the stream is closed: keep draining
 
     def message(self, text):
         """kfrun's own note, on stderr. It never blocks: a thread of its own writes it, because kfrun's main
@@ -53,6 +54,12 @@ class LinePrinter:
         self._notes.put(None)
         self._notes_writer.join(timeout)
         return not self._notes_writer.is_alive()
+
+
+def _binary(stream):
+    """The binary buffer under a text stream; a sink for None, which is what Python makes sys.stdout or
+    sys.stderr when that descriptor was closed at start (`>&-`)."""
+    return open(os.devnull, "wb") if stream is None else stream.buffer
 
 
 def _pump(pipe, prefix, printer, to_stderr, copy=None):
