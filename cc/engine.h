@@ -124,8 +124,9 @@ class Engine {
   // to this worker itself is answered from its own store on the calling thread, before this returns.
   // Otherwise done runs on the loop thread; out must stay valid until it has run. departed_ok: a peer
   // that has left the cluster (it said goodbye, or announced it was finalizing before its connection
-  // closed) answers done(OK, -1) with out untouched, as if it had saved nothing, instead of Unavailable;
-  // pair averaging then keeps its own model while the others go on (a crashed peer still fails).
+  // closed) answers done(OK, -1), as if it had saved nothing, instead of Unavailable; pair averaging then
+  // keeps its own model while the others go on (a peer that crashed while training still fails). Then,
+  // unlike a plain "none", out may hold part of a copy cut short by the close: the caller restores it.
   void Request(int peer, const std::string& name, void* out, int64_t count, DType dtype, uint32_t shape_sig,
                RequestCallback done, bool departed_ok = false);
 

@@ -1,9 +1,9 @@
 // Kernels of KfSaveVariable and KfRequestVariable.
 //
 // Save is synchronous: the engine copies the tensor into its store before Compute returns. Request
-// forwards `default` to `value` when TF allows it, so that the engine writes the fetched copy straight
-// into the output and a "not found" leaves default's bytes there without a copy; otherwise the output
-// is allocated and default is copied into it only when nothing was found.
+// forwards `default` to `value` when TF allows it (and departed_ok is off), so that the engine writes the
+// fetched copy straight into the output and a "not found" leaves default's bytes there without a copy;
+// otherwise the output is allocated and default is copied into it whenever nothing was found.
 #include <cstring>
 #include <memory>
 #include <string>
@@ -78,7 +78,13 @@ class RequestVariableOp : public AsyncOpKernel {
                                                  std::to_string(engine->size())),
                       done);
     Tensor* value = nullptr;
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({2}, 0, def.shape(), &value), done);
+    // With departed_ok a "none" may follow part of a copy (Engine::Request): the output then must not be
+    // default's own buffer, so that default can be copied back whole.
+    if (departed_ok_) {
+      OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, def.shape(), &value), done);
+    } else {
+      OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({2}, 0, def.shape(), &value), done);
+    }
     Tensor* version = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(1, TensorShape({}), &version), done);
     char* buf = const_cast<char*>(value->tensor_data().data());

@@ -124,7 +124,8 @@ def strategy_name(strategy):
             return STRATEGIES[int(strategy)]
     elif isinstance(strategy, str) and strategy in STRATEGIES:
         return strategy
-    raise ValueError(f"set_strategy: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+    raise ValueError(f"set_strategy: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} "
+                     f"(or its index, 0 to {len(STRATEGIES) - 1})")
 
 
 class Context:

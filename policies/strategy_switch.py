@@ -10,7 +10,8 @@ The noise scale rising, or the SNR of the applied gradient falling, says that mo
 The switch happens at the first call at which any trigger holds, and only once: the policy remembers it
 (in its state) and never switches back, nor fights another policy that switches later. The gradient
 monitors refresh in S-SGD and SMA steps, not in pair averaging's (docs/monitoring.md, "Strategies"):
-from pair_averaging, a threshold sees the values of the last S-SGD or SMA step, so switch by at_step. Branch-free, so it compiles into the training step.
+from pair_averaging, a threshold sees the values of the last S-SGD or SMA step, so switch by at_step.
+Branch-free, so it compiles into the training step.
 """
 
 from . import _readings as rd

@@ -44,6 +44,19 @@ def test_eager_keys_count_per_op_type():
     assert _naming.collective_key("all_reduce", "grads/w") == "grads/w"
 
 
+def test_eager_keys_in_a_key_scope_count_apart_and_ignore_tf_name_scopes():
+    """The optimizers' strategies count their eager keys apart (key_scope), so a worker on SMA never pairs
+    with one on S-SGD; TF's name scopes stay out of eager keys, since Keras's hold per-process names."""
+    start = int(_naming.collective_key("all_reduce", None).rsplit("/", 1)[1]) + 1
+    with _naming.key_scope("sma"):
+        first = int(_naming.collective_key("all_reduce", None).rsplit("/", 1)[1])
+        assert _naming.collective_key("all_reduce", None) == f"eager/sma/all_reduce/{first + 1}"
+        with _naming.key_scope("inner"):
+            assert _naming.collective_key("all_reduce", None).startswith("eager/sma/inner/all_reduce/")
+    with tf.name_scope("sequential_1"):  # e.g. a Keras layer call
+        assert _naming.collective_key("all_reduce", None) == f"eager/all_reduce/{start}"
+
+
 def test_function_keys():
     @tf.function
     def train_step(x):

@@ -123,7 +123,9 @@ def test_strategy_from_an_index_or_a_tensor_computed_in_the_step():
     opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD())
     opt.set_strategy(1)  # an index, as ctx.set_strategy takes
     assert opt.strategy == "sma"
-    for bad in (3, -1, True, 1.0):
+    opt.set_strategy(np.int64(2))
+    assert opt.strategy == "pair_averaging"
+    for bad in (3, -1, True, 1.5):
         with pytest.raises(ValueError, match="unknown strategy"):
             opt.set_strategy(bad)
     step = tf.function(lambda t: opt.set_strategy(t))
@@ -137,6 +139,8 @@ def test_strategy_from_an_index_or_a_tensor_computed_in_the_step():
     assert opt.strategy == "ssgd"
     with pytest.raises(TypeError, match="tf.string name or an integer index"):
         step(tf.constant(1.0))
+    with pytest.raises(ValueError, match="must be a scalar"):
+        step(tf.constant(["x", "sma"]))
     opt.strategy_variable.assign(5)  # by hand, past every strategy
     assert opt.strategy is None
     opt.strategy = "sma"  # the way out (Keras reads the property before the assignment)

@@ -314,6 +314,40 @@ def monitors_and_a_threshold_switch_run_under_sma():
         raise AssertionError(f"strategy_switch(snr_below=...) never fired from SMA: {strategies}")
 
 
+@check
+def sma_monitors_agree_when_a_loss_scale_skips_a_step_on_one_worker():
+    """Under SMA each worker's LossScaleOptimizer checks its own gradients, so one worker alone skips a step
+    that overflows there: its step count and scale then differ from the others'. The monitors' due steps
+    (counted from the start of SMA) and estimates (from gradients each divided by its own scale) still
+    agree across workers: no worker waits in an all-reduce the others skip."""
+    if kungfu.size() == 1:
+        return
+    rank = kungfu.rank()
+    x, y = local_data()
+    loss = loss_fn()
+    model = make_model(100)
+    inner = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=2.0 ** 10)
+    opt = kungfu.optimizers.DistributedOptimizer(inner, strategy="sma", monitor=["gns"], monitor_interval=2,
+                                                 local_batch_size=LOCAL_BATCH)
+
+    @tf.function
+    def step(xb, yb, blow_up):
+        with tf.GradientTape() as tape:
+            value = opt.scale_loss(loss(yb, model(xb, training=True)) * blow_up)
+        opt.apply_gradients(zip(tape.gradient(value, model.trainable_variables), model.trainable_variables))
+
+    for i in range(6):
+        step(x[:LOCAL_BATCH], y[:LOCAL_BATCH], np.float32(np.inf if (i == 1 and rank == 1) else 1.0))
+    counts = kungfu.all_gather(np.array([int(opt.iterations.numpy())]), name="lso-sma/iterations").numpy()
+    if len(set(counts.tolist())) < 2:
+        raise AssertionError(f"the overflow on rank 1 should have skipped a step there only: {counts}")
+    values = kungfu.monitor.latest(opt)
+    if kungfu.monitor.update_count(opt) < 2 or not values["gns"]:
+        raise AssertionError(f"the monitors did not run: {kungfu.monitor.update_count(opt)} updates, {values}")
+    if not bool(kungfu.consensus(np.array([values["gns"], kungfu.monitor.update_count(opt)]), name="lso-sma")):
+        raise AssertionError(f"the workers' estimates differ: {values}")
+
+
 def workers_on_different_strategies():
     """Rank 0 runs SMA and the others S-SGD, in a tf.function and eagerly: every worker fails at the deadline
     (each strategy's collectives have keys of their own) instead of pairing a model with gradients. Prints

@@ -201,8 +201,7 @@ void PeerToPeer::OnPeerGone(int peer, const Status& why) {
   const bool departed = ctx_->PeerDeparted(peer);
   for (uint32_t id : ids) {
     InFlight& f = requests_.at(id);
-    // Nothing of the copy has arrived, so out is untouched and "none" is true to the caller.
-    if (departed && f.r.departed_ok && f.received == 0) {
+    if (departed && f.r.departed_ok) {  // "none"; out may hold part of a copy cut short (Engine::Request)
       f.version = -1;
       Finish(id, Status::OK());
     } else {

@@ -199,9 +199,10 @@ class Monitors:
         with tf.control_dependencies([t for t in tensors if t is not None]):
             return tf.cast(self.batch.read_value(), tf.float32)
 
-    def update(self, due, mean_local_sq, reduced_grads=None, reduced_sq=None):
+    def update(self, due, mean_local_sq, reduced_grads=None, reduced_sq=None, scaled=True):
         """On due steps, the monitors from the workers' mean squared norm and the all-reduced gradients
-        (or their squared norm, reduced_sq, when the all-reduce gave it)."""
+        (or their squared norm, reduced_sq, when the all-reduce gave it). scaled=False: the gradients were
+        divided by the loss scale before the all-reduce (SMA), so the norms are not divided again."""
 
         # Read outside the tf.cond, after the gradients, as with monitor_interval=1: read inside the
         # branch, the first due step of model.fit over an AdaptiveDataset saw the batch size variable
@@ -211,7 +212,7 @@ class Monitors:
         def run():
             b_big = tf.cast(_lib.size(), tf.float32) * b
             big_sq = _ops.squared_norm(reduced_grads) if reduced_sq is None else reduced_sq
-            (local_sq, big_sq), valid = self._unscaled(mean_local_sq, big_sq)
+            (local_sq, big_sq), valid = self._unscaled(mean_local_sq, big_sq, divide=scaled)
             self._record(local_sq, big_sq, local_sq, b, b_big, b_big, valid)
             return tf.constant(True)
 
@@ -258,13 +259,13 @@ class Monitors:
     def _scale(self):
         return tf.cast(self.loss_scale(), tf.float32)
 
-    def _unscaled(self, *squared_norms):
-        """The squared norms of the gradients without the loss scale, and whether they are all finite (a
-        LossScaleOptimizer skips a step whose scaled gradients overflowed; so do the monitors)."""
+    def _unscaled(self, *squared_norms, divide=True):
+        """The squared norms of the gradients without the loss scale (divide=False: they are already), and
+        whether they are all finite (a LossScaleOptimizer skips a step whose scaled gradients overflowed;
+        so do the monitors)."""
         if self.loss_scale is None:
             return squared_norms, True
-        s2 = tf.square(self._scale())
-        out = tuple(x / s2 for x in squared_norms)
+        out = tuple(x / tf.square(self._scale()) for x in squared_norms) if divide else squared_norms
         return out, tf.reduce_all(tf.math.is_finite(tf.stack(out)))
 
     def _record(self, small_sq, big_sq, spread_sq, b, b_big, snr_batch, valid=True):

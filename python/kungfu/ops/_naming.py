@@ -3,9 +3,11 @@
 Keys. The engine matches a collective on one worker with the same collective on the others by key
 (and by how many times each worker has started that key). A key is the `name` the caller passes,
 or else derived deterministically:
-  - eagerly: "eager/<op>/<n>", n counting this process's eager calls of that op type from 0; under a
-    tf.name_scope, "eager/<scope>/<op>/<n>", counted per scope (the distributed optimizers run each
-    strategy's collectives under its own scope, so workers on different strategies never pair up);
+  - eagerly: "eager/<op>/<n>", n counting this process's eager calls of that op type from 0; inside
+    key_scope(s), "eager/s/<op>/<n>", counted apart (the distributed optimizers run each strategy's
+    collectives in its own, so workers on different strategies never pair up). TF's name scopes are
+    left out on purpose: Keras's hold per-process automatic names ("dense_1"), which differ between
+    workers as soon as one builds a model more;
   - inside tf.function: "<function>/<unique name>", the tf.function's graph name (its Python name)
     and the op's unique name in that graph, e.g. "train_step/all_reduce_2" or, in a loop body,
     "train_step/while/all_reduce". Control-flow bodies (while, cond, switch_case) are graphs with
@@ -32,6 +34,7 @@ Graph.unique_name, and control_flow_util.GraphOrParentsInXlaContext (the check i
 """
 
 import collections
+import contextlib
 import threading
 import weakref
 
@@ -46,7 +49,8 @@ except ImportError:  # a TF without it: the raw XLA error stands (tests/test_ops
 CONTROL_FLOW_GRAPHS = frozenset({"WhileCondFuncGraph", "WhileBodyFuncGraph", "CondBranchFuncGraph"})
 
 _lock = threading.Lock()
-_eager_counts = collections.Counter()  # "<scope>/<op>" (or op type) -> eager calls so far
+_eager_counts = collections.Counter()  # "<key scope>/<op>" (or op type) -> eager calls so far
+_key_scopes = threading.local()  # .scope: the key scopes entered on this thread, joined by "/"
 _explicit_names = weakref.WeakKeyDictionary()  # graph -> explicit names used by collectives in it
 _token_variable = None  # created on first use, outside any function
 _eager_keys = {}  # explicit name -> its key as an eager string tensor
@@ -70,7 +74,7 @@ def collective_key(op, name, eager=None):
     if eager:
         if name is not None:
             return name
-        scope = tf.get_current_name_scope()
+        scope = getattr(_key_scopes, "scope", "")
         what = f"{scope}/{op}" if scope else op
         with _lock:
             n = _eager_counts[what]
@@ -82,6 +86,18 @@ def collective_key(op, name, eager=None):
         _claim(graph, name, op)
         return name
     return f"{function_graph(graph).name}/{graph.unique_name(op)}"
+
+
+@contextlib.contextmanager
+def key_scope(name):
+    """Derived eager keys inside it are "eager/<name>/<op>/<n>", counted apart from the others (nested:
+    names joined by "/"). Fixed names only: a name that differs between workers gives keys that do."""
+    outer = getattr(_key_scopes, "scope", "")
+    _key_scopes.scope = f"{outer}/{name}" if outer else name
+    try:
+        yield
+    finally:
+        _key_scopes.scope = outer
 
 
 def refuse_xla(graph, op):

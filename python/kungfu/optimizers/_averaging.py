@@ -13,9 +13,9 @@ travels as one flat tensor per dtype, so each step makes one request per dtype, 
 Which copy is the right one. Each copy is stored under its model's store_prefix: the model's layout
 (dtypes and shapes) and which wrapped optimizer over that layout this is in the process (0, 1, ...),
 so two models of one architecture (an ensemble, a teacher and a student, a second run in one process)
-never meet. Each copy also ends with a tag, one more element: the step at which the current pair
-averaging phase began, the same on every worker since all switch at the same step. A copy with
-another tag, left from an earlier phase before a switch away and back, counts as none. A peer that has
+never meet. Each copy also ends with a tag, one more element: how many pair averaging phases have
+begun, the same on every worker since all switch at the same step (whatever steps each took before).
+A copy with another tag, left from an earlier phase before a switch away and back, counts as none. A peer that has
 published nothing in this phase yet (the first step, or just after a switch to this strategy), or
 that has left the cluster (it finished its steps first and finalized), answers none, and the worker
 keeps its own model for that step.

@@ -43,40 +43,13 @@ import tensorflow as tf
 from .. import _lib
 from .. import _variables
 from .. import monitor as _monitor
+from ..ops import _naming
 from . import _averaging
 from . import _reduce
-
-STRATEGIES = ("ssgd", "sma", "pair_averaging")
-
-
-def strategy_index(strategy):
-    """The index in STRATEGIES of a strategy's name (or of an index, checked)."""
-    if isinstance(strategy, int) and not isinstance(strategy, bool) and 0 <= strategy < len(STRATEGIES):
-        return strategy
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} "
-                         f"(or its index, 0 to {len(STRATEGIES) - 1})")
-    return STRATEGIES.index(strategy)
-
-
-def _strategy_index_tensor(strategy):
-    """strategy_index for a tensor computed in the graph: a tf.string name or an integer index, checked
-    when the step runs (InvalidArgumentError naming the choices)."""
-    choices = f"one of {', '.join(STRATEGIES)} (or its index, 0 to {len(STRATEGIES) - 1})"
-    if strategy.dtype == tf.string:
-        matches = tf.equal(tf.constant(STRATEGIES), strategy)
-        check = tf.debugging.Assert(tf.reduce_any(matches), ["unknown strategy", strategy, "; choose " + choices])
-        with tf.control_dependencies([check]):
-            return tf.argmax(tf.cast(matches, tf.int32), output_type=tf.int32)
-    if not strategy.dtype.is_integer:
-        raise TypeError(f"set_strategy: a strategy tensor must be a tf.string name or an integer index, "
-                        f"got {strategy.dtype.name}")
-    index = tf.cast(strategy, tf.int32)
-    check = tf.debugging.Assert(tf.logical_and(index >= 0, index < len(STRATEGIES)),
-                                ["unknown strategy index", index, "; choose " + choices])
-    with tf.control_dependencies([check]):
-        return tf.identity(index)
-
+from ._strategy import STRATEGIES
+from ._strategy import checked_index
+from ._strategy import strategy_index
+from ._strategy import strategy_index_tensor
 
 class _Settings:
     """KungFu's state on a wrapped optimizer. A plain object, so Keras and tf.train.Checkpoint do not
@@ -86,10 +59,13 @@ class _Settings:
         with tf.init_scope(), tf.device("CPU:0"):  # may be wrapped inside a tf.function
             self.strategy = tf.Variable(strategy_index(strategy), trainable=False, dtype=tf.int32,
                                         name="kungfu_strategy")
-            # The strategy of the latest exchange (-1: none yet), and the step at which the current
-            # pair averaging phase began (its copies' tag, see _averaging.py).
+            # The strategy of the latest exchange (-1: none yet); how many pair averaging phases have
+            # begun (the current one's copies' tag, see _averaging.py); and the steps since SMA began
+            # (its monitors' due steps). Both counts agree across workers whatever steps each took
+            # before, unlike the optimizer's iterations (uneven pair averaging, a loss scale's skips).
             self.last_strategy = tf.Variable(-1, trainable=False, dtype=tf.int32, name="kungfu_last_strategy")
-            self.pair_since = tf.Variable(0, trainable=False, dtype=tf.int64, name="kungfu_pair_since")
+            self.pair_phase = tf.Variable(0, trainable=False, dtype=tf.int64, name="kungfu_pair_phase")
+            self.sma_steps = tf.Variable(0, trainable=False, dtype=tf.int64, name="kungfu_sma_steps")
         self.store_prefix = None  # pair averaging's, given when the exchange is first traced
         self.alpha = alpha
         self.fusion_bytes = fusion_bytes
@@ -122,7 +98,7 @@ class DistributedMixin:
         worker. strategy: a name of STRATEGIES or its index; inside tf.function also a tensor (a tf.string
         name or an integer index, checked when the step runs). It assigns strategy_variable."""
         if isinstance(strategy, (tf.Tensor, tf.Variable)):
-            return self._kungfu.strategy.assign(_strategy_index_tensor(tf.convert_to_tensor(strategy)))
+            return self._kungfu.strategy.assign(strategy_index_tensor(strategy))
         return self._kungfu.strategy.assign(strategy_index(strategy))
 
     @property
@@ -262,18 +238,13 @@ class DistributedMixin:
 
         if kf.store_prefix is None:
             kf.store_prefix = _averaging.new_store_prefix(variables)
-        current, last = kf.strategy.read_value(), kf.last_strategy.read_value()
-        # tf.switch_case would run its last branch for an index out of range (strategy_variable assigned
-        # by hand): fail the step instead, naming the choices.
-        in_range = tf.debugging.Assert(tf.logical_and(current >= 0, current < len(STRATEGIES)),
-                                       [f"{self.name}: strategy_variable holds", current, "which is not the index "
-                                        f"of any strategy (0 to {len(STRATEGIES) - 1}: {', '.join(STRATEGIES)})"])
-        with tf.control_dependencies([in_range]):
-            current = tf.identity(current)
+        # Assigned by hand, strategy_variable may hold an index of none: fail the step, naming it.
+        current = checked_index(kf.strategy.read_value(), f"{self.name}: strategy_variable holds")
+        last = kf.last_strategy.read_value()
         switched = tf.logical_and(tf.not_equal(current, last), tf.greater_equal(last, 0))
-        pair_index = strategy_index("pair_averaging")
+        pair_index, sma_index = strategy_index("pair_averaging"), strategy_index("sma")
         entering_pair = tf.logical_and(tf.equal(current, pair_index), tf.not_equal(last, pair_index))
-        phase = kf.pair_since.assign(tf.where(entering_pair, tf.cast(self.iterations, tf.int64), kf.pair_since))
+        phase = kf.pair_phase.assign(tf.where(entering_pair, kf.pair_phase + 1, kf.pair_phase))
         kf.last_strategy.assign(current)
 
         def ssgd():
@@ -288,19 +259,7 @@ class DistributedMixin:
             if m is None or not m.reduces:
                 return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
                                               compression=kf.compression)
-            due = m.due(self.iterations)
-            if _reduce.norms_fusable(g_live, kf.sparse_as_dense):
-                # Both squared norms come out of the all-reduce, summed as it copies the gradients.
-                reduced, local_sq, reduced_sq = _reduce.mean_gradients_with_norms(
-                    g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense, tf.convert_to_tensor(due, tf.bool),
-                    kf.compression)
-                updated = m.update(due, local_sq, reduced_sq=reduced_sq)
-            else:
-                # This worker's squared norm rides in the gradients' own all-reduce: no extra collective.
-                out = _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
-                                             extra=[m.local_sq_norm(g_live, due)], compression=kf.compression)
-                reduced = out[:len(g_live)]
-                updated = m.update(due, out[-1], reduced)
+            reduced, updated = self._kungfu_mean_with_monitors(g_live, v_live, m.due(self.iterations))
             # The estimates run before the update, not beside it: with workers sharing cores, running
             # them beside the update cost 4 to 5 points more CPU per step (benchmarks/monitoring.py).
             with tf.control_dependencies([updated]):
@@ -311,30 +270,25 @@ class DistributedMixin:
             if m is not None and m.reduces:
                 # SMA exchanges models, not gradients: on the monitors' due steps the gradients are
                 # all-reduced too, for their norms alone, so that the estimates (and the policies that
-                # read them, e.g. a switch to S-SGD once the noise scale has grown) go on under SMA.
-                _monitor.when(m.due(self.iterations), lambda: measure(m))
+                # read them, e.g. a switch to S-SGD once the noise scale has grown) go on under SMA. Due
+                # by the steps since SMA began, which every worker counts alike.
+                steps = kf.sma_steps.assign(tf.where(tf.equal(last, sma_index), kf.sma_steps + 1, 0))
+                _monitor.when(m.due(steps), lambda: self._kungfu_mean_with_monitors(
+                    g_live, v_live, True, unscale=m.loss_scale is not None)[1])
             _averaging.sma_update(v_live, kf.alpha, kf.fusion_bytes)
             return g_live
-
-        def measure(m):
-            if _reduce.norms_fusable(g_live, kf.sparse_as_dense):
-                _, local_sq, reduced_sq = _reduce.mean_gradients_with_norms(
-                    g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense, tf.constant(True), kf.compression)
-                return m.update(True, local_sq, reduced_sq=reduced_sq)
-            out = _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
-                                         extra=[m.local_sq_norm(g_live, True)], compression=kf.compression)
-            return m.update(True, out[-1], out[:len(g_live)])
 
         def pair():
             _averaging.pair_average(v_live, kf.store_prefix, self.iterations, phase)
             return g_live
 
         def scoped(name, fn):
-            # Each strategy's collectives under its own name scope, so their derived keys differ: workers
-            # on different strategies at one step (a switch made on some workers only) wait for each other
-            # until the deadline instead of pairing one's model with another's gradients.
+            # Each strategy's collectives under its own scope, so their derived keys differ (in a graph by
+            # the name scope, eagerly by the key scope): workers on different strategies at one step (a
+            # switch made on some workers only) wait for each other until the deadline instead of pairing
+            # one's model with another's gradients.
             def branch():
-                with tf.name_scope(name):
+                with tf.name_scope(name), _naming.key_scope(name):
                     return fn()
             return branch
 
@@ -343,6 +297,26 @@ class DistributedMixin:
         for i, g in zip(live, new):
             out[i] = g
         return out
+
+    def _kungfu_mean_with_monitors(self, grads, variables, due, unscale=False):
+        """(the gradients' mean over the workers, the monitors' update op): both squared norms the
+        monitors need come out of the gradients' own all-reduce (fused into KfGroupAllReduceNorms, or this
+        worker's norm riding in the all-reduce beside them), so the monitors cost no collective of their
+        own. unscale: divide each worker's gradients by its own loss scale first (SMA, where the workers'
+        scales may differ: a LossScaleOptimizer skips overflowing steps on each worker alone)."""
+        kf, m = self._kungfu, self._kungfu.monitors
+        if unscale:
+            scale = tf.cast(m.loss_scale(), tf.float32)
+            grads = [_divided(g, scale) for g in grads]
+        if _reduce.norms_fusable(grads, kf.sparse_as_dense):
+            reduced, local_sq, reduced_sq = _reduce.mean_gradients_with_norms(
+                grads, variables, kf.fusion_bytes, kf.sparse_as_dense, tf.convert_to_tensor(due, tf.bool),
+                kf.compression)
+            return reduced, m.update(due, local_sq, reduced_sq=reduced_sq, scaled=not unscale)
+        out = _reduce.mean_gradients(grads, variables, kf.fusion_bytes, kf.sparse_as_dense,
+                                     extra=[m.local_sq_norm(grads, due)], compression=kf.compression)
+        reduced = out[:len(grads)]
+        return reduced, m.update(due, out[-1], reduced, scaled=not unscale)
 
     def _kungfu_average_state(self, variables):
         """Sets the model's variables and this optimizer's slots (momenta, moments: its float state) to
@@ -353,11 +327,12 @@ class DistributedMixin:
         scale would not be a power of 2, and the counters of workers that skipped different steps differ)."""
         import keras
 
-        own_rate = getattr(self, "_learning_rate", None)
-        scale = self.dynamic_scale if isinstance(self, keras.optimizers.LossScaleOptimizer) else None
+        scaled = isinstance(self, keras.optimizers.LossScaleOptimizer)
+        rates = [getattr(o, "_learning_rate", None) for o in (self, self.inner_optimizer if scaled else None)]
+        scale = self.dynamic_scale if scaled else None
         averaged, copied = [], []
         for v in self.variables:
-            if v is own_rate:
+            if any(v is rate for rate in rates):  # the learning rate is set, not learnt: left alone
                 continue
             (averaged if tf.as_dtype(v.dtype).is_floating and v is not scale else copied).append(v)
         _averaging.average_variables(list(variables) + averaged, self._kungfu.fusion_bytes)
@@ -371,10 +346,17 @@ class DistributedMixin:
             is_pair = tf.logical_and(is_pair, is_update)
 
         def publish():
-            _averaging.publish(variables, self._kungfu.store_prefix, self._kungfu.pair_since.read_value())
+            _averaging.publish(variables, self._kungfu.store_prefix, self._kungfu.pair_phase.read_value())
             return tf.constant(True)
 
         tf.cond(is_pair, publish, lambda: tf.constant(False))
+
+
+def _divided(g, scale):
+    """A gradient (dense, or IndexedSlices) divided by scale."""
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values / tf.cast(scale, g.values.dtype), g.indices, g.dense_shape)
+    return g / tf.cast(scale, g.dtype)
 
 
 def _refuse_loss_scale_outside(optimizer):
