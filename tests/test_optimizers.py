@@ -411,3 +411,37 @@ def test_wrapping_keeps_what_a_config_cannot_carry():
     wrapped = optimizers.SynchronousSGDOptimizer(lso)
     assert isinstance(wrapped, keras.optimizers.LossScaleOptimizer)
     assert wrapped.inner_optimizer._learning_rate is schedule
+
+
+class _ScaledSGD(keras.optimizers.SGD):
+    """A user's optimizer whose get_config() leaves out its own __init__ argument."""
+
+    def __init__(self, scale=1.0, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = scale
+
+
+class _RequiredScaleSGD(_ScaledSGD):
+    def __init__(self, scale, **kwargs):
+        super().__init__(scale, **kwargs)
+
+
+def test_a_setting_the_config_leaves_out_is_refused_not_lost():
+    with pytest.raises(ValueError, match=r"does not carry scale=0.0 \(rebuilt: 1.0\)"):
+        optimizers.SynchronousSGDOptimizer(_ScaledSGD(scale=0.0))
+    with pytest.raises(TypeError, match="must return every __init__ argument"):
+        optimizers.SynchronousSGDOptimizer(_RequiredScaleSGD(0.5))
+
+
+def test_a_multi_optimizer_keeps_its_selector_and_the_callers_optimizers():
+    """A MultiOptimizer's callable selector and its optimizers (with their exclude_from_weight_decay
+    choices) are handed over as they are; its config would serialize them."""
+    decayed = keras.optimizers.AdamW(0.1, weight_decay=0.5)
+    decayed.exclude_from_weight_decay(var_names=["bias"])
+    plain = keras.optimizers.SGD(0.1)
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.MultiOptimizer(
+        lambda v: decayed if "bias" in v.path else plain))
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, bias_initializer="ones")])
+    model.compile(optimizer=opt, loss="mse")
+    model.fit(np.zeros((4, 3)), np.ones((4, 2)), verbose=0)  # the bias's gradient is 0: only decay would move it
+    np.testing.assert_array_equal(model.layers[0].bias.numpy(), [1.0, 1.0])

@@ -51,12 +51,12 @@ def check(fn):
 
 @check
 def fit_equals_single_process():
+    broadcast = kf_callbacks.BroadcastGlobalVariablesCallback(root=0)  # one callback for both models' fits
     for make_optimizer in (sgd, adam):
         x, y = local_data()
         model = make_model(100 + kungfu.rank())  # different on every worker until the broadcast
         model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(make_optimizer()), loss=loss_fn())
-        model.fit(x, y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[kf_callbacks.BroadcastGlobalVariablesCallback(root=0)])
+        model.fit(x, y, batch_size=LOCAL_BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[broadcast])
         assert_close(model.get_weights(), reference_weights(make_optimizer), f"model.fit, {make_optimizer.__name__}")
 
 

@@ -84,24 +84,51 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
 def _rebuild(optimizer, cls):
     """A new cls with optimizer's settings: its get_config(), except that a learning-rate schedule or
     callable is passed as the object itself (a config cannot always rebuild it: an unregistered schedule
-    class, a lambda), a LossScaleOptimizer's inner optimizer is rebuilt the same way, and AdamW's (or any
-    optimizer's) exclude_from_weight_decay() choices, which the config lacks, are kept."""
+    class, a lambda), a LossScaleOptimizer's inner optimizer is rebuilt the same way, a MultiOptimizer gets
+    the caller's own map (its optimizers and selector, as they are), and AdamW's (or any optimizer's)
+    exclude_from_weight_decay() choices, which the config lacks, are kept. A setting the config does not
+    carry (a subclass's own __init__ argument left out of its get_config()) raises rather than being lost."""
     import keras
 
-    config = optimizer.get_config()
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        config.pop("inner_optimizer")
-        inner = optimizer.inner_optimizer
-        new = cls(_rebuild(inner, type(inner)), **config)
-    else:
-        lr = getattr(optimizer, "_learning_rate", None)
-        if lr is not None and not isinstance(lr, keras.Variable):
-            config["learning_rate"] = lr
-        new = cls.from_config(config)
+    what = type(optimizer).__name__
+    try:
+        if isinstance(optimizer, keras.optimizers.MultiOptimizer):  # its config would serialize the map
+            new = cls(optimizer._optimizer_map, loss_scale_factor=optimizer.loss_scale_factor, name=optimizer.name)
+        elif isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            config = optimizer.get_config()
+            config.pop("inner_optimizer")
+            inner = optimizer.inner_optimizer
+            new = cls(_rebuild(inner, type(inner)), **config)
+        else:
+            config = optimizer.get_config()
+            lr = getattr(optimizer, "_learning_rate", None)
+            if lr is not None and not isinstance(lr, keras.Variable):
+                config["learning_rate"] = lr
+            new = cls.from_config(config)
+    except TypeError as e:
+        raise TypeError(f"kungfu.optimizers: cannot rebuild the {what} to wrap from its get_config() ({e}); a "
+                        "custom optimizer's get_config() must return every __init__ argument, as Keras's own "
+                        "optimizers' do") from e
     for attr in ("_exclude_from_weight_decay", "_exclude_from_weight_decay_pattern"):
         if attr in vars(optimizer):
             setattr(new, attr, getattr(optimizer, attr))
+    _check_settings_kept(optimizer, new, what)
     return new
+
+
+def _check_settings_kept(optimizer, new, what):
+    """Raises ValueError when a plain public setting of optimizer (a number, string or flag attribute)
+    came out different in its rebuilt copy: its get_config() left it out."""
+    lost = []
+    for name, value in vars(optimizer).items():
+        if name.startswith("_") or name == "built" or not isinstance(value, (bool, int, float, str)):
+            continue
+        rebuilt = vars(new).get(name, value)
+        if rebuilt != value and not (value != value and rebuilt != rebuilt):  # NaN equals NaN here
+            lost.append(f"{name}={value!r} (rebuilt: {rebuilt!r})")
+    if lost:
+        raise ValueError(f"kungfu.optimizers: the {what} to wrap is rebuilt from its get_config(), which does not "
+                         f"carry {', '.join(lost)}; add them to its get_config(), as Keras's own optimizers do")
 
 
 def SynchronousSGDOptimizer(optimizer, fusion_bytes=None, sparse_as_dense=False, compression=None, **monitors):
@@ -115,7 +142,7 @@ def SynchronousSGDOptimizer(optimizer, fusion_bytes=None, sparse_as_dense=False,
 def SynchronousAveragingOptimizer(optimizer, alpha=0.1, fusion_bytes=None, **monitors):
     """Synchronous model averaging: every step each worker moves its model a fraction alpha toward
     the workers' average model, then applies its own gradients. monitors: as for
-    DistributedOptimizer; they are computed only in S-SGD steps (after a switch to "ssgd")."""
+    DistributedOptimizer (on due steps SMA all-reduces the gradients for them)."""
     return DistributedOptimizer(optimizer, "sma", alpha=alpha, fusion_bytes=fusion_bytes, **monitors)
 
 

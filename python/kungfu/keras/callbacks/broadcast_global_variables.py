@@ -1,5 +1,7 @@
 """BroadcastGlobalVariablesCallback: every worker starts training from root's model and optimizer."""
 
+import weakref
+
 import keras
 import tensorflow as tf
 
@@ -8,8 +10,9 @@ from ... import _variables
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
-    """At the start of the first fit(), sets every worker's model variables (trainable and not) and
-    optimizer variables (slots, iteration count) to root's.
+    """At the start of a model's first fit(), sets every worker's model variables (trainable and not)
+    and optimizer variables (slots, iteration count) to root's. Given to the fit of another model (one
+    callback list reused across k-fold runs), it broadcasts that model too.
 
     Workers then start identical even when each built its model from a different random seed, or
     when root restored a checkpoint the others do not have. A model that Keras builds on its first
@@ -38,9 +41,15 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def __init__(self, root=0):
         super().__init__()
         self.root = root
-        self._done = False
+        self._broadcast_for = None  # a weakref to the model last broadcast (a reused callback meets new ones)
         self._check_epochs = False  # compare each epoch's batches (fit did not know the count)
         self._batches = 0  # on_train_batch_begin calls in this epoch
+
+    @property
+    def _done(self):
+        """Whether this fit's model has been broadcast: once per model, so the same callback given to the
+        fit of a new model (k-fold, a hyper-parameter search) broadcasts that one too."""
+        return self._broadcast_for is not None and self._broadcast_for() is self.model
 
     def on_train_begin(self, logs=None):
         _lib.require_init("BroadcastGlobalVariablesCallback")
@@ -89,7 +98,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             own = {id(v) for v in getattr(optimizer, "_accumulated_gradients", None) or ()}
             variables += [v for v in optimizer.variables if id(v) not in own]
         _variables.broadcast_variables(variables, root=self.root, name="kungfu/broadcast_global_variables")
-        self._done = True
+        self._broadcast_for = weakref.ref(model)
 
 
 def _seed_states(model):
