@@ -51,6 +51,7 @@ from ._strategy import checked_index
 from ._strategy import strategy_index
 from ._strategy import strategy_index_tensor
 
+
 class _Settings:
     """KungFu's state on a wrapped optimizer. A plain object, so Keras and tf.train.Checkpoint do not
     track the strategy variable as an optimizer variable."""
