@@ -65,7 +65,9 @@ Status Engine::Impl::NeverJoined(uint64_t id) const {
     if (finalizing_[p] >= 0 && static_cast<int64_t>(id) > finalizing_[p]) {
       return Unavailable("peer " + config_.peers.Describe(p) + " has begun to finalize after " +
                          std::to_string(finalizing_[p]) + " collective(s) and will not join this worker's collective #" +
-                         std::to_string(id) + " (did it leave the training loop early, e.g. by sys.exit?)");
+                         std::to_string(id) +
+                         " (did it leave the training loop early: sys.exit, or a callback such as EarlyStopping that "
+                         "decided from its own metrics, without MetricAverageCallback?)");
     }
   }
   return Status::OK();
