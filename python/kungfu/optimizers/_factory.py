@@ -149,5 +149,5 @@ def SynchronousAveragingOptimizer(optimizer, alpha=0.1, fusion_bytes=None, **mon
 def PairAveragingOptimizer(optimizer, fusion_bytes=None, **monitors):
     """Asynchronous decentralised SGD (AD-PSGD): every step each worker averages its model with that
     of one random peer, fetched from the peer's model store without waiting for the peer. monitors:
-    as for DistributedOptimizer; computed only in S-SGD steps."""
+    as for DistributedOptimizer; computed only in S-SGD and SMA steps (after a switch away)."""
     return DistributedOptimizer(optimizer, "pair_averaging", fusion_bytes=fusion_bytes, **monitors)
