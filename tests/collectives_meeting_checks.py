@@ -11,14 +11,11 @@ import tensorflow as tf
 
 import kungfu
 from kungfu import _lib
+
+import mp
 from collective_values import assert_equal, data, expected_reduce
 
-CHECKS = []
-
-
-def check(fn):
-    CHECKS.append(fn)
-    return fn
+CHECKS, check = mp.check_list()
 
 
 def invalid_argument_problem(fn, *words):

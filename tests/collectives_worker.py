@@ -25,12 +25,7 @@ import collectives_meeting_checks  # noqa: E402
 from collective_values import (BIG, COPY_DTYPES, REDUCE_DTYPES, REDUCE_OPS, assert_equal, data,  # noqa: E402
                                expected_reduce)
 
-CHECKS = []
-
-
-def check(fn):
-    CHECKS.append(fn)
-    return fn
+CHECKS, check = mp.check_list()
 
 
 def matrix():

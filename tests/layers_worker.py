@@ -26,12 +26,7 @@ from kungfu.keras import callbacks as kf_callbacks  # noqa: E402
 
 FEATURES, CHANNELS, CLASSES, STEPS, LOCAL_BATCH = 6, 4, 3, 10, 8
 TOLERANCE = 1e-5
-CHECKS = []
-
-
-def check(fn):
-    CHECKS.append(fn)
-    return fn
+CHECKS, check = mp.check_list()
 
 
 def assert_close(got, want, what):

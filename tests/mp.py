@@ -24,6 +24,17 @@ def worker_started():
         open(os.path.join(os.environ["KF_TEST_PID_DIR"], str(os.getpid())), "w").close()
 
 
+def check_list():
+    """(checks, check): a list of check functions and the decorator that appends one to it."""
+    checks = []
+
+    def check(fn):
+        checks.append(fn)
+        return fn
+
+    return checks, check
+
+
 def run_checks(checks, rank):
     """Runs each function of checks, printing a KFCHECK line for it; returns how many failed."""
     failed = 0

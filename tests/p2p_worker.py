@@ -29,12 +29,7 @@ SPECS = {"f32": ([5], tf.float32), "f64": ([2, 3], tf.float64), "i64": ([7], tf.
          "f16": ([4], tf.float16), "bf16": ([3], tf.bfloat16), "i32": ([], tf.int32), "empty": ([0], tf.float32),
          "big": ([BIG], tf.float32)}
 BUSY_SECONDS = 3.0  # how long the target sleeps or computes
-CHECKS = []
-
-
-def check(fn):
-    CHECKS.append(fn)
-    return fn
+CHECKS, check = mp.check_list()
 
 
 def data(rank, shape, dtype, save=0):

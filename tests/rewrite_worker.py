@@ -27,12 +27,7 @@ import kungfu  # noqa: E402
 STEPS = 20
 BATCH = 4  # rows per worker per step
 TOLERANCE = 1e-5
-CHECKS = []
-
-
-def check(fn):
-    CHECKS.append(fn)
-    return fn
+CHECKS, check = mp.check_list()
 
 
 def dataset(kind, rows, seed=0):

@@ -13,14 +13,11 @@ import tensorflow as tf
 
 import kungfu
 from kungfu.optimizers import _reduce
+
+import mp
 from training_common import LOCAL_BATCH, STEPS, adam, local_data, loss_fn, make_model, reference_weights, sgd
 
-CHECKS = []
-
-
-def check(fn):
-    CHECKS.append(fn)
-    return fn
+CHECKS, check = mp.check_list()
 
 
 @check

@@ -41,12 +41,7 @@ import training_strategy_checks  # noqa: E402
 from training_common import (CLASSES, LOCAL_BATCH, STEPS, adam, assert_close, local_data, loss_fn,  # noqa: E402
                              make_model, reference_weights, sgd)
 
-CHECKS = []
-
-
-def check(fn):
-    CHECKS.append(fn)
-    return fn
+CHECKS, check = mp.check_list()
 
 
 @check

@@ -36,8 +36,6 @@ the update and the monitors (kungfu/_policy/graph.py), so a step's monitors, dec
 all ops of its graph; their before_train hooks run once, in Python, when apply() is first traced.
 """
 
-import sys
-
 import tensorflow as tf
 
 from .. import _lib
@@ -45,6 +43,7 @@ from .. import _variables
 from .. import monitor as _monitor
 from ..ops import _naming
 from . import _averaging
+from . import _keras
 from . import _reduce
 from ._strategy import STRATEGIES
 from ._strategy import checked_index
@@ -146,7 +145,7 @@ class DistributedMixin:
         source = self._kungfu.state_from if self._kungfu is not None else None
         if source is not None:
             self._kungfu.state_from = None
-            _copy_state(source, self)
+            _keras.copy_state(source, self)
 
     def apply(self, grads, trainable_variables=None):
         _lib.require_init(f"{type(self).__name__} (a kungfu distributed optimizer)")
@@ -154,7 +153,7 @@ class DistributedMixin:
             raise ValueError(f"{self.name} is a kungfu distributed optimizer class made without "
                              "DistributedOptimizer(), so it has none of its settings; wrap a plain Keras "
                              "optimizer with kungfu.optimizers.DistributedOptimizer (or SynchronousSGDOptimizer, ...)")
-        _refuse_loss_scale_outside(self)
+        _keras.refuse_loss_scale_outside(self)
         policies = self._kungfu.policies
         if policies is None:
             return self._kungfu_apply(grads, trainable_variables)
@@ -358,45 +357,3 @@ def _divided(g, scale):
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(g.values / tf.cast(scale, g.values.dtype), g.indices, g.dense_shape)
     return g / tf.cast(scale, g.dtype)
-
-
-def _refuse_loss_scale_outside(optimizer):
-    """Raises ValueError when a keras LossScaleOptimizer is applying `optimizer` as its inner optimizer
-    (model.compile puts one around it under the "mixed_float16" policy). Its overflow check reads each
-    worker's own gradients, so a step that overflows on one worker only would skip the exchange there
-    while the others wait for it until the deadline. Found among the calling frames: the check runs when
-    apply() is traced, or on each eager call, and costs a few frame reads."""
-    import keras
-
-    frame = sys._getframe(2)  # the caller of apply()
-    for _ in range(8):
-        if frame is None:
-            return
-        owner = frame.f_locals.get("self")
-        if isinstance(owner, keras.optimizers.LossScaleOptimizer) and owner.inner_optimizer is optimizer:
-            raise ValueError(
-                f"{optimizer.name} runs inside a keras LossScaleOptimizer (model.compile adds one under the "
-                "'mixed_float16' policy), whose overflow check would see each worker's own gradients: a step "
-                "that overflows on one worker only would be skipped there and wait for it on the others. Wrap "
-                "the other way round, so that the check sees the averaged gradients: "
-                "kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.LossScaleOptimizer(opt)) "
-                "(docs/training.md, \"Mixed precision\")")
-        frame = frame.f_back
-
-
-def _copy_state(source, wrapped):
-    """Assigns a used optimizer's variables (step count, learning rate, slots) to the wrapper's, just
-    built over the same model variables: both lists come in the order the base class creates them."""
-    target = list(wrapped.variables)
-    if len(source) != len(target):
-        raise ValueError(f"{wrapped.name}: the optimizer it wraps had {len(source)} variables, and it has "
-                         f"{len(target)} over this model's; a used optimizer keeps its state only for the model "
-                         "it was used with")
-    for a, b in zip(source, target):
-        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
-            raise ValueError(f"{wrapped.name}: the wrapped optimizer's variable {a.path} ({a.dtype}{list(a.shape)}) "
-                             f"does not fit {b.path} ({b.dtype}{list(b.shape)}); a used optimizer keeps its state "
-                             "only for the model it was used with")
-    with tf.init_scope():  # once, eagerly, even when the first step's trace builds the optimizer
-        for a, b in zip(source, target):
-            b.assign(a.value)

@@ -1,0 +1,48 @@
+"""Where the distributed optimizer meets Keras's own optimizers: a LossScaleOptimizer put around it (refused,
+with the fix), and a used optimizer's state handed to its wrapper when that is built."""
+
+import sys
+
+import tensorflow as tf
+
+
+def refuse_loss_scale_outside(optimizer):
+    """Raises ValueError when a keras LossScaleOptimizer is applying `optimizer` as its inner optimizer
+    (model.compile puts one around it under the "mixed_float16" policy). Its overflow check reads each
+    worker's own gradients, so a step that overflows on one worker only would skip the exchange there
+    while the others wait for it until the deadline. Found among the calling frames: the check runs when
+    apply() is traced, or on each eager call, and costs a few frame reads."""
+    import keras
+
+    frame = sys._getframe(2)  # the caller of apply()
+    for _ in range(8):
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, keras.optimizers.LossScaleOptimizer) and owner.inner_optimizer is optimizer:
+            raise ValueError(
+                f"{optimizer.name} runs inside a keras LossScaleOptimizer (model.compile adds one under the "
+                "'mixed_float16' policy), whose overflow check would see each worker's own gradients: a step "
+                "that overflows on one worker only would be skipped there and wait for it on the others. Wrap "
+                "the other way round, so that the check sees the averaged gradients: "
+                "kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.LossScaleOptimizer(opt)) "
+                "(docs/training.md, \"Mixed precision\")")
+        frame = frame.f_back
+
+
+def copy_state(source, wrapped):
+    """Assigns a used optimizer's variables (step count, learning rate, slots) to the wrapper's, just
+    built over the same model variables: both lists come in the order the base class creates them."""
+    target = list(wrapped.variables)
+    if len(source) != len(target):
+        raise ValueError(f"{wrapped.name}: the optimizer it wraps had {len(source)} variables, and it has "
+                         f"{len(target)} over this model's; a used optimizer keeps its state only for the model "
+                         "it was used with")
+    for a, b in zip(source, target):
+        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
+            raise ValueError(f"{wrapped.name}: the wrapped optimizer's variable {a.path} ({a.dtype}{list(a.shape)}) "
+                             f"does not fit {b.path} ({b.dtype}{list(b.shape)}); a used optimizer keeps its state "
+                             "only for the model it was used with")
+    with tf.init_scope():  # once, eagerly, even when the first step's trace builds the optimizer
+        for a, b in zip(source, target):
+            b.assign(a.value)
