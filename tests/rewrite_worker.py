@@ -136,6 +136,28 @@ def ssgd_one_collective_per_gradient_matches_combined_batch():
     ssgd_equivalence("mlp", "sgd", fusion_bytes=0)
 
 
+def nested_forward_step(model, opt):
+    """The forward pass in a tf.function of its own (a decorated predict()): TF runs its backward pass as
+    a call of a function of its own, outside the tape's name scope (convention 9)."""
+    forward = tf.function(lambda x: model(x))
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(forward(x) - y))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return train_step
+
+
+@check
+def ssgd_nested_forward_function_matches_combined_batch():
+    got = train("mlp", "adam", lambda m, o: kungfu.rewrite(nested_forward_step(m, o)), kungfu.rank(), kungfu.size())
+    assert_close(got, train_combined("mlp", "adam"), f"a nested forward tf.function on {kungfu.size()} workers")
+
+
 def hand_written_step(model, opt):
     """The wrapper path written by hand: all-reduce the gradients, then apply them."""
 

@@ -19,7 +19,7 @@ import tensorflow as tf
 import kungfu
 from conftest import REPO
 from kungfu._rewrite import _conventions as conv
-from kungfu._rewrite import core
+from kungfu._rewrite import core, find
 from kungfu._rewrite.ssgd import ssgd
 from mp import assert_checks_passed, launch
 
@@ -252,7 +252,7 @@ def test_an_update_from_local_data_beside_the_gradient_step_raises():
         v.assign_add(0.01 * tf.reduce_mean(x) * tf.ones_like(v))  # each worker's own x: no average
         return loss
 
-    with pytest.raises(ValueError, match=r"v is also updated \(AssignAddVariableOp '[^']+'\) from this worker's data "
+    with pytest.raises(ValueError, match=r"v is also updated \(AssignAddVariableOp '[^']+'\) from this worker's data \('x'\) "
                                          r"without a gradient"):
         kungfu.rewrite(step)(tf.ones((4, 3)), tf.ones((4, 1)))
 
@@ -265,6 +265,51 @@ def test_an_update_from_local_data_beside_the_gradient_step_raises():
         return loss
 
     assert kf_ops(kungfu.rewrite(decayed).get_concrete_function(tf.ones((4, 3)), tf.ones((4, 1))))
+
+
+def test_a_gradient_scaled_by_local_data_raises():
+    v = tf.Variable(tf.ones((3, 1)), name="v")
+    opt = keras.optimizers.SGD(0.1)
+
+    def step_of(count):
+        @tf.function
+        def step(x, y, mask, lr):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(mask * (x @ v - y) ** 2)
+            grads = [g / count(mask) * lr for g in tape.gradient(loss, [v])]  # lr: a scalar argument, shared
+            opt.apply_gradients(zip(grads, [v]))
+            return loss
+
+        return step
+
+    args = tf.ones((4, 3)), tf.ones((4, 1)), tf.ones((4, 1)), tf.constant(1.0)
+    # This worker's count of real rows: the averaged gradient divided by a count each worker has its own.
+    with pytest.raises(ValueError, match=r"the updates of v depend on this worker's data \('mask'\) besides their "
+                                         r"gradients .*\(kungfu.all_reduce the count\)"):
+        kungfu.rewrite(step_of(tf.reduce_sum))(*args)
+    # The count made the same everywhere: its collective is not the gradients' (no "already averages").
+    shared = kungfu.rewrite(step_of(lambda m: kungfu.all_reduce(tf.reduce_sum(m), op="mean", name="count")))
+    assert kf_ops(shared.get_concrete_function(*args)) == ["KfAllReduce", "KfGroupAllReduce"]
+
+
+def test_a_nested_forward_function_has_its_gradients_found():
+    model, opt = model_and_optimizer("mlp")
+    forward = tf.function(lambda x: model(x))
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(forward(x) - y))
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return loss
+
+    x, y = batch("mlp")
+    sites = find.find_gradients(step.get_concrete_function(x, y), "step")
+    # Each variable's gradient is an output of the backward call, not the activations' gradient it takes.
+    graph = step.get_concrete_function(x, y).graph
+    assert sorted(s.name for s in sites) == sorted(v.path for v in model.trainable_variables)
+    assert all(conv.is_backward_call(graph.get_tensor_by_name(s.values).op) for s in sites), sites
+    assert kf_ops(kungfu.rewrite(step).get_concrete_function(x, y)) == ["KfGroupAllReduce"]
 
 
 def test_one_gradient_applied_to_two_variables_raises():
@@ -371,6 +416,17 @@ def test_tf_conventions_hold():
     sums = [op for op in shared.graph.get_operations() if op.type == "AddN" and not conv.in_gradient_scope(op.name)
             and all(conv.in_gradient_scope(t.op.name) for t in op.inputs)]
     assert len(sums) == 2, "7: the tape no longer sums a twice-used layer's gradients with an AddN outside its scope"
+    forward = tf.function(lambda x: model(x))
+
+    @tf.function
+    def nested(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(forward(x))
+        return tape.gradient(loss, model.trainable_variables)
+
+    calls = [op for op in nested.get_concrete_function(x).graph.get_operations() if conv.is_backward_call(op)]
+    assert len(calls) == 1 and not conv.in_gradient_scope(calls[0].name), \
+        "9: the backward pass of a nested tf.function is no longer one call of a '__backward_' function"
     seen = []
 
     def body(x, y):
@@ -386,7 +442,8 @@ def test_tf_conventions_hold():
 WORKER = os.path.join(REPO, "tests", "rewrite_worker.py")
 CHECKS = ["ssgd_mlp_sgd_matches_combined_batch", "ssgd_mlp_adam_matches_combined_batch",
           "ssgd_embedding_sgd_matches_combined_batch", "ssgd_embedding_adam_matches_combined_batch",
-          "ssgd_one_collective_per_gradient_matches_combined_batch", "rewrite_equals_hand_written_all_reduce",
+          "ssgd_one_collective_per_gradient_matches_combined_batch", "ssgd_nested_forward_function_matches_combined_batch",
+          "rewrite_equals_hand_written_all_reduce",
           "sparse_rows_differ_across_workers", "rewrite_equals_synchronous_sgd_optimizer",
           "tape_jacobians_stay_local", "rewrite_refuses_a_step_with_distributed_gradient_tape",
           "rewrite_refuses_a_step_with_synchronous_sgd_optimizer"]

@@ -3,7 +3,7 @@
 Every assumption the rewrite makes about TensorFlow's or Keras's graphs, or about TensorFlow internals,
 lives here, so that a TensorFlow or Keras upgrade that breaks one shows up in one place:
 tests/test_rewrite.py::test_tf_conventions_hold traces a small Keras step and checks those an upgrade
-could change (1, 2, 4, 5, 6, 7, 8), naming the one that did.
+could change (1, 2, 4, 5, 6, 7, 8, 9), naming the one that did.
 
   1. tf.GradientTape.gradient builds the backward pass under a name scope "gradient_tape" (a second tape
      in one graph gets "gradient_tape_1", a user's name scope may prefix it).
@@ -23,6 +23,10 @@ could change (1, 2, 4, 5, 6, 7, 8), naming the one that did.
   7. When a variable is used more than once (a layer called twice), the tape sums its partial gradients
      with an AddN made outside the "gradient_tape" name scope, whose inputs all come from the backward pass.
   8. A tf.function keeps its reduce_retracing= in the attribute _reduce_retracing. (TF internal.)
+  9. The backward pass of a nested tf.function (a forward pass, or part of it, in a tf.function of its
+     own) is a call (PartitionedCall) of a function whose name holds "__backward_", made outside the
+     "gradient_tape" name scope; its outputs are the gradients of the nested function's inputs and
+     captured variables. (TF internal: concrete_function.py's _BACKWARD_PREFIX.)
 """
 
 import re
@@ -53,6 +57,11 @@ REDUCTION_OPS = frozenset({"Sum", "Mean", "Max", "Min", "Prod", "All", "Any", "L
 # them belongs to a step that is distributed already (kf_ops/, the Kf<Verb><Noun> ops).
 KUNGFU_COLLECTIVE_OPS = frozenset({"KfAllReduce", "KfGroupAllReduce", "KfGroupAllReduceNorms", "KfAllGather"})
 
+# KungFu's collectives whose result is the same on every worker: a value that comes through one of them
+# is no longer this worker's own (KfGroupAllReduceNorms is left out: its norms are each worker's own).
+KUNGFU_SHARED_RESULT_OPS = frozenset({"KfAllReduce", "KfGroupAllReduce", "KfAllGather", "KfBroadcast",
+                                      "KfConsensus"})
+
 # Ops that run a graph of the function library: gradients or updates inside them are out of reach.
 CALL_OPS = frozenset({"While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
                       "PartitionedCall", "StatefulPartitionedCall"})
@@ -67,6 +76,19 @@ def is_gradient_sum(op, backward):
     """Whether op is the tape's sum of one variable's partial gradients (convention 7); backward holds
     the names of the backward-pass ops seen so far."""
     return op.type == "AddN" and bool(op.inputs) and all(t.op.name in backward for t in op.inputs)
+
+
+_BACKWARD_FUNCTION = "__backward_"
+
+
+def is_backward_call(op):
+    """Whether op runs the backward pass TF made for a nested tf.function (convention 9)."""
+    if op.type not in ("PartitionedCall", "StatefulPartitionedCall"):
+        return False
+    try:
+        return _BACKWARD_FUNCTION in op.get_attr("f").name
+    except ValueError:
+        return False
 
 
 def can_have_gradient(dtype):

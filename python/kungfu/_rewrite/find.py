@@ -1,8 +1,9 @@
 """Finding the gradients of a traced training step and the variable updates they feed.
 
 A *gradient tensor* is a tensor that the backward pass of a tf.GradientTape produced (an op under the
-"gradient_tape/" name scope, or the AddN with which the tape sums the gradients of a variable used more
-than once, e.g. a layer called twice) and that something outside the backward pass consumes. An *update* is an op
+"gradient_tape/" name scope, the AddN with which the tape sums the gradients of a variable used more
+than once, e.g. a layer called twice, or the call of a nested tf.function's backward function) and that
+something outside the backward pass consumes. An *update* is an op
 that writes a trainable variable (AssignSubVariableOp, ResourceScatterSub, ...). The gradient of a variable
 is the gradient tensor its updates depend on, found by walking the data inputs of the updates backwards:
   - through the optimizer's own state: a read of a slot variable (Adam's m and v) continues at the
@@ -53,7 +54,8 @@ def find_gradients(cf, what):
     if not boundary or not updated:
         raise ValueError(_nothing_found(what, ops, boundary, updated, trainable))
     walks = {ph: _gradients_of(ws, boundary, trainable, writes) for ph, ws in updated.items()}
-    _check_not_distributed(what, {ph: w[3] for ph, w in walks.items()}, trainable, cf.graph)
+    _check_not_distributed(what, {ph: [op for op in w[3] if _on_gradient_path(op, boundary)]
+                                  for ph, w in walks.items()}, trainable, cf.graph)
     # A trainable variable with no gradient that other variables' updates read is optimizer state that
     # was made trainable (Keras's Nadam makes its u_product so): it is left alone, as the optimizer's own.
     read = set().union(*(w[2] for w in walks.values()))
@@ -75,7 +77,7 @@ def _boundary_tensors(ops):
     """Outputs of backward-pass ops that an op outside the backward pass consumes, by name."""
     backward = set()  # names of the backward pass's ops; ops come in creation order, inputs first
     for op in ops:
-        if conv.in_gradient_scope(op.name) or conv.is_gradient_sum(op, backward):
+        if conv.in_gradient_scope(op.name) or conv.is_gradient_sum(op, backward) or conv.is_backward_call(op):
             backward.add(op.name)
     boundary = {}
     for op in ops:
@@ -144,20 +146,23 @@ def _gradients_of(update_ops, boundary, trainable, writes):
 
 
 def _local_data_writes(cf, ops, updated, boundary, trainable, writes):
-    """{placeholder: writes} of the variables that have a gradient and also another update with none
-    that depends on the step's data (its arguments or an iterator it pulls): an update such as
-    v.assign_add(f(x)) after the gradient step, which the rewrite cannot average, so that the workers'
-    copies of v would drift apart. Updates with no gradient from the variables alone (weight decay,
-    an average of the weights) are the same on every worker and are left alone."""
-    data = {t.op.name for t in conv.split_inputs(cf)[0]} | {op.name for op in ops if op.type in _ITERATOR_OPS}
+    """{placeholder: [(write, the data op it reaches, whether it has a gradient)]} of the variables with an
+    update that depends on the step's data (its arguments or an iterator it pulls) other than through a
+    gradient: v.assign_add(f(x)) beside the gradient step, or a gradient scaled by something of this
+    worker's batch (g / n_tokens, g * f(loss)). The rewrite averages the gradients only, so such an update
+    would stay each worker's own and the workers' copies of v would drift apart. What comes from the
+    variables alone (weight decay, an average of the weights) or through a KungFu collective (a count
+    all-reduced over the workers) is the same on every worker and is left alone."""
+    # Scalar arguments are taken as the same on every worker (a learning rate or a step passed in).
+    data = ({t.op.name for t in conv.split_inputs(cf)[0] if t.shape.rank != 0}
+            | {op.name for op in ops if op.type in _ITERATOR_OPS})
     local = {}
     for ph, ws in updated.items():
-        if len(ws) < 2:
-            continue  # its one update has a gradient, or _check_one_per_variable says it has none
         for w in ws:
-            if not _gradients_of([w], boundary, trainable, writes)[0] and _reaches(w, data, boundary, trainable,
-                                                                                  writes):
-                local.setdefault(ph, []).append(w)
+            reached = _reaches(w, data, boundary, trainable, writes)
+            if reached is not None:
+                has_gradient = bool(_gradients_of([w], boundary, trainable, writes)[0])
+                local.setdefault(ph, []).append((w, reached, has_gradient))
     return local
 
 
@@ -165,8 +170,9 @@ _ITERATOR_OPS = frozenset({"IteratorGetNext", "IteratorGetNextSync", "IteratorGe
 
 
 def _reaches(op, data, boundary, trainable, writes):
-    """Whether op's data inputs depend on an op named in data, other than through a gradient tensor or a
-    trainable variable's value (followed through optimizer state, as _gradients_of does)."""
+    """The name of the op in data that op's data inputs depend on other than through a gradient tensor, a
+    trainable variable's value (followed through optimizer state, as _gradients_of does) or a KungFu
+    collective's result; None if there is none."""
     stack = [t for t in op.inputs if t.dtype != tf.resource]
     seen = set()
     while stack:
@@ -175,13 +181,30 @@ def _reaches(op, data, boundary, trainable, writes):
             continue
         seen.add(t.name)
         if t.op.name in data:
-            return True
+            return t.op.name
+        if t.op.type in conv.KUNGFU_SHARED_RESULT_OPS:
+            continue
         if t.op.type == "ReadVariableOp":
             root = _resource_root(t.op.inputs[0])
             if root not in trainable:
                 stack.extend(i for w in writes.get(root, []) for i in w.inputs if i.dtype != tf.resource)
         else:
             stack.extend(i for i in t.op.inputs if i.dtype != tf.resource)
+    return None
+
+
+def _on_gradient_path(op, boundary):
+    """Whether op's data inputs depend on a gradient tensor."""
+    stack = [t for t in op.inputs if t.dtype != tf.resource]
+    seen = set()
+    while stack:
+        t = stack.pop()
+        if t.name in boundary:
+            return True
+        if t.name in seen:
+            continue
+        seen.add(t.name)
+        stack.extend(i for i in t.op.inputs if i.dtype != tf.resource)
     return False
 
 
@@ -232,16 +255,21 @@ _FIX = ("kungfu.rewrite needs a step that computes gradients with tf.GradientTap
 
 
 def _check_one_per_variable(what, found, updated, trainable, local):
-    problems, owners = [], {}
+    problems, owners, scaled = [], {}, {}  # scaled: data op -> variables whose gradient updates also use it
     for ph, (floats, ints) in found.items():
         name = conv.variable_name(trainable[ph])
         ops = ", ".join(f"{w.type} '{w.name}'" for w in updated[ph])
         if not floats:
             problems.append(f"{name} is updated ({ops}) from no gradient")
         elif ph in local:
-            said = ", ".join(f"{w.type} '{w.name}'" for w in local[ph])
-            problems.append(f"{name} is also updated ({said}) from this worker's data without a gradient, which "
-                            "the rewrite cannot average: the workers' copies would drift apart")
+            for w, reached, has_gradient in local[ph]:
+                if has_gradient:
+                    scaled.setdefault(reached, []).append(name)
+                else:
+                    problems.append(
+                        f"{name} is also updated ({w.type} '{w.name}') from this worker's data ('{reached}') "
+                        "without a gradient, which the rewrite cannot average: the workers' copies would drift "
+                        "apart")
         elif len(floats) > 1:
             problems.append(f"{name} is updated from {len(floats)} gradient tensors: "
                             f"{', '.join(sorted(t.name for t in floats))}")
@@ -252,6 +280,11 @@ def _check_one_per_variable(what, found, updated, trainable, local):
             owners.setdefault(t.name, []).append(name)
     problems += [f"gradient {t} feeds the updates of {len(names)} variables: {', '.join(sorted(names))}"
                  for t, names in sorted(owners.items()) if len(names) > 1]
+    problems += [f"the updates of {', '.join(sorted(set(names)))} depend on this worker's data ('{reached}') besides "
+                 "their gradients (e.g. a gradient divided by a count of this worker's batch, or scaled by its "
+                 "loss), which the rewrite cannot average: the workers' copies would drift apart. Fold the factor "
+                 "into the loss, or make it the same on every worker (kungfu.all_reduce the count)"
+                 for reached, names in sorted(scaled.items())]
     if problems:
         raise ValueError(f"{what}: found {len(owners)} gradient(s) for {len(updated)} updated trainable "
                          "variable(s):\n"
