@@ -67,7 +67,18 @@ class EpochCallback(keras.callbacks.ProgbarLogger):
         super().on_epoch_begin(epoch, logs)
 
     def on_train_batch_end(self, batch, logs=None):
-        _, planned, finished = self._dataset.progress()
+        handed_out, planned, finished = self._dataset.progress()
+        if handed_out != batch + 1:
+            # Something between as_dataset() and fit pulls batches ahead of the steps: fit would end the
+            # epoch when the last one is pulled, leaving those pulled ahead untrained, and a batch-size
+            # change would land late.
+            raise ValueError(
+                f"kungfu.data.EpochCallback: the AdaptiveDataset has handed out {handed_out} batches of this "
+                f"epoch but fit has trained {batch + 1}: something pulls batches ahead of the steps (a "
+                ".shuffle(), .prefetch(), .cache() or parallel .map() after as_dataset(), class_weight= in fit, "
+                "or batches taken from the epoch before fit), so the epoch would end with batches untrained "
+                "and batch-size changes would land late. Give fit ds.as_dataset() as it is: shuffle with "
+                "AdaptiveDataset(..., shuffle=True), weight samples with (x, y, sample_weight) arrays")
         self.target = planned
         if self.progbar is not None:
             self.progbar.target = planned
