@@ -60,9 +60,12 @@ class LRScalingPolicy(BasePolicy):
         base_lr: the learning rate that suits base_batch; default: the learning rate at the first call.
         base_batch: the global batch size base_lr suits; default: the batch size at the first call.
 
-    At every after_step it compares the batch size (as it is then: a policy earlier in the same list
-    that changed it has already updated the reading) with the one it saw at its previous call, and on a
-    difference sets lr = rule(base_lr, base_batch, batch). At the first call the "previous" batch is
+    At every after_step, and at every before_epoch, it compares the batch size (as it is then: a policy
+    earlier in the same list that changed it has already updated the reading) with the one it saw at its
+    previous call, and on a difference sets lr = rule(base_lr, base_batch, batch). before_epoch follows
+    changes made at an epoch boundary (scheduled(..., by="epoch") before it, or by hand between epochs)
+    before the epoch's first step; one made by hand in the middle of an epoch is followed at the next
+    after_step, so the step after it still runs at the old rate. At the first call the "previous" batch is
     base_batch, so an explicit base_batch other than the starting batch sets the rate at once. The rate
     is always derived from the base values, never from the current rate, so a schedule that changes the
     rate in between is overridden at the next batch change. Compilable.
@@ -81,6 +84,9 @@ class LRScalingPolicy(BasePolicy):
             return
         lr, seen = follow_batch(self, ctx, self.rule, self.base_lr, self.base_batch)
         ctx.set_learning_rate(lr, when=seen)
+
+    def before_epoch(self, ctx):  # a change at the epoch boundary: before the epoch's first step
+        self.after_step(ctx)
 
     def __repr__(self):
         return f"lr_scaling(rule={self.rule!r}, base_lr={self.base_lr!r}, base_batch={self.base_batch!r})"

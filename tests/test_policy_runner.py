@@ -189,6 +189,27 @@ def test_idle_policies_cost_no_exchange(monkeypatch):
     assert (opt.strategy, float(opt.learning_rate.numpy())) == ("sma", pytest.approx(0.3))
 
 
+def test_lr_scaling_follows_a_batch_change_at_an_epoch_boundary_from_the_epochs_first_step():
+    x = np.zeros((40, 2), np.float32)
+    ds = kungfu.data.AdaptiveDataset(x, 10, shuffle=False)
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1))
+    runner = kungfu.PolicyRunner([kungfu.policies.scheduled({1: {"batch_size": 20}}, by="epoch"),
+                                  kungfu.policies.lr_scaling("linear")], optimizer=opt, dataset=ds)
+    used = []  # (global batch, learning rate) of each step
+    runner.before_train()
+    for epoch in range(3):
+        runner.before_epoch()
+        for _ in ds.as_dataset():
+            runner.before_step()
+            used.append((ds.batch_size, round(float(opt.learning_rate.numpy()), 6)))
+            runner.after_step()
+        runner.after_epoch()
+        if epoch == 1:
+            ds.set_batch_size(40)  # by hand, between epochs
+    runner.after_train()
+    assert used == [(10, 0.1)] * 4 + [(20, 0.2)] * 2 + [(40, 0.4)]
+
+
 def test_strategy_changes_on_a_distributed_optimizer_and_is_refused_on_a_plain_one():
     class ToSma(BasePolicy):
         def after_step(self, ctx):
