@@ -129,8 +129,12 @@ def fit_ssgd_schedule():
 
 
 def workers_that_disagree_fail_clearly():
-    x, y = data()  # below: different seeds; data pre-sharded by rank (as many samples, other contents)
+    x, y = data()
+    big = 2 ** 127 + 5  # seeds of any size (np.random.SeedSequence().entropy has 128 bits) are compared too
+    kungfu.data.AdaptiveDataset((x, y), 10, seed=big)
+    # Below: different seeds (small, and big ones differing only above 64 bits); data pre-sharded by rank.
     for wrong in (lambda: kungfu.data.AdaptiveDataset((x, y), 10, seed=kungfu.rank()),
+                  lambda: kungfu.data.AdaptiveDataset((x, y), 10, seed=big + (kungfu.rank() << 64)),
                   lambda: kungfu.data.AdaptiveDataset(x[:100][kungfu.rank()::kungfu.size()], kungfu.size())):
         try:
             wrong()

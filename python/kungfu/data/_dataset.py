@@ -222,7 +222,10 @@ class AdaptiveDataset:
             return
         from .. import ops
 
-        mine = np.array([self._n, batch, self._seed, int(self._shuffle), _fingerprint(self._arrays)], np.int64)
+        # A seed may be any int >= 0 (np.random.SeedSequence().entropy has 128 bits): compared as its low
+        # 62 bits and a checksum of all of it, which fit an int64.
+        seed = [self._seed % (1 << 62), zlib.crc32(str(self._seed).encode())]
+        mine = np.array([self._n, batch, *seed, int(self._shuffle), _fingerprint(self._arrays)], np.int64)
         if not bool(ops.consensus(mine, name="kungfu/data/AdaptiveDataset")):
             raise ValueError(
                 "kungfu.data.AdaptiveDataset: the workers passed different data or settings (sample count, "
