@@ -148,6 +148,10 @@ def test_bad_batch_sizes_inside_a_function_fail_when_the_step_runs():
     (None, ValueError, "needs data"),
     (np.float32(1), ValueError, "first \\(sample\\) dimension"),
     (np.array([object(), object()]), TypeError, "cannot become a tensor"),
+    ([1.0, 2.0], ValueError, "lists count as tuples of arrays"),
+    (tf.data.Dataset.range(3), TypeError, "got a _?RangeDataset, which it cannot cut: it needs the whole data set"),
+    ((i for i in range(3)), TypeError, "got a generator, which it cannot cut"),
+    (tf.sparse.eye(3), TypeError, "a tf.SparseTensor cannot be cut"),
 ])
 def test_bad_data_says_what_is_wrong(data, error, words):
     with pytest.raises(error, match=words):

@@ -246,6 +246,13 @@ def _flatten(data):
             return {k: normalize(v) for k, v in d.items()}
         if isinstance(d, (tuple, list)):
             return tuple(normalize(v) for v in d)
+        if isinstance(d, tf.data.Dataset) or not hasattr(d, "__len__") and hasattr(d, "__iter__"):
+            raise TypeError(f"AdaptiveDataset: got a {type(d).__name__}, which it cannot cut: it needs the whole "
+                            "data set in memory, as numpy arrays (a tuple or dict of them). For a tf.data.Dataset "
+                            "that fits in memory, collect it first, e.g. next(iter(ds.batch(n))) with n its size")
+        if isinstance(d, tf.SparseTensor):
+            raise TypeError("AdaptiveDataset: a tf.SparseTensor cannot be cut into batches here; pass it dense "
+                            "(tf.sparse.to_dense) or as its index and value arrays")
         return np.asarray(d)
 
     if data is None:
@@ -256,7 +263,9 @@ def _flatten(data):
         raise ValueError("AdaptiveDataset got an empty structure: pass a numpy array, or a tuple or dict of them")
     for a in arrays:
         if a.ndim == 0:
-            raise ValueError(f"AdaptiveDataset: every array needs a first (sample) dimension; got a scalar {a!r}")
+            raise ValueError(f"AdaptiveDataset: every array needs a first (sample) dimension; got a scalar {a!r} "
+                             "(lists count as tuples of arrays, not as arrays: pass np.array([...]) for one "
+                             "array of samples)")
         try:
             tf.as_dtype(a.dtype)
             tf.convert_to_tensor(a[:1])  # an object array converts only if its items do
