@@ -25,6 +25,7 @@ Engine::Impl::Impl(const EngineConfig& config) : config_(config) {
   hs_.token = config_.token;
   hs_.cluster_version = config_.peers.version();
   hs_.peers = &config_.peers;
+  hs_.self_rank = config_.rank;
 }
 
 Engine::Impl::~Impl() { Shutdown(); }
@@ -100,8 +101,9 @@ Status Engine::Impl::ConnectToPeers() {
       auto fd = ConnectWithRetry(config_.peers.at(p), deadline);
       if (!fd.ok()) return (refused.ok() ? fd.status() : refused).WithContext(who);
       conn = std::move(fd.value());
-      Status hs = ClientHandshake(conn.get(), hs_, config_.rank, self, deadline);
+      Status hs = ClientHandshake(conn.get(), hs_, config_.rank, self, p, deadline);
       if (hs.ok()) break;
+      if (hs.code() == Code::kAlreadyExists) return hs.WithContext(who);  // another of our workers: no retry
       if (hs.code() == Code::kPermissionDenied) refused = hs;
       if (Clock::now() + std::chrono::milliseconds(200) >= deadline) return (refused.ok() ? hs : refused).WithContext(who);
       std::this_thread::sleep_for(std::chrono::milliseconds(200));

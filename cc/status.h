@@ -59,6 +59,7 @@ inline Status PermissionDenied(std::string m) { return Status(Code::kPermissionD
 inline Status FailedPrecondition(std::string m) { return Status(Code::kFailedPrecondition, std::move(m)); }
 inline Status ResourceExhausted(std::string m) { return Status(Code::kResourceExhausted, std::move(m)); }
 inline Status Cancelled(std::string m) { return Status(Code::kCancelled, std::move(m)); }
+inline Status AlreadyExists(std::string m) { return Status(Code::kAlreadyExists, std::move(m)); }
 // An OS error with errno text: "connect to 127.0.0.1:9: Connection refused".
 Status ErrnoStatus(Code code, const std::string& what, int err);
 

@@ -36,9 +36,11 @@ FakeRank ConnectFakeRank(const PeerList& peers, const HandshakeParams& hs, int s
   pollfd pfd{listener.value().get(), POLLIN, 0};
   if (::poll(&pfd, 1, 10000) != 1) return f;
   Fd accepted(::accept4(listener.value().get(), nullptr, nullptr, SOCK_CLOEXEC));
-  if (!ServerHandshake(accepted.get(), hs, DeadlineAfter(10)).ok()) return f;
+  HandshakeParams as_self = hs;
+  as_self.self_rank = self;  // the rank rank 0 dialed
+  if (!ServerHandshake(accepted.get(), as_self, DeadlineAfter(10)).ok()) return f;
   auto out = ConnectWithRetry(peers.at(0), DeadlineAfter(10));
-  if (!out.ok() || !ClientHandshake(out.value().get(), hs, self, peers.at(self), DeadlineAfter(10)).ok()) return f;
+  if (!out.ok() || !ClientHandshake(out.value().get(), hs, self, peers.at(self), 0, DeadlineAfter(10)).ok()) return f;
   f.rank0_writes = std::move(accepted);
   f.rank0_reads = std::move(out.value());
   return f;

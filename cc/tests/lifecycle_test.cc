@@ -292,6 +292,33 @@ TEST(Handshake, WrongTokenIsRefused) {
   for (int r = 0; r < 2; ++r) EXPECT_EQ(CodeName(results[r].code()), CodeName(Code::kPermissionDenied));
 }
 
+// Two names of one host, each given the same port (e.g. "node2" and its address in a hostfile): rank 2's
+// address leads to rank 1's engine, which listens on every interface. The handshake names the rank that
+// answered, so rank 0 (reaching rank 1) and rank 1 (reaching itself) fail at once with that, instead of
+// rank 1 taking its own connection for rank 2's and the collectives failing later with a mismatch.
+TEST(Handshake, AnotherWorkerAnsweringAtAPeersAddressFailsStartAtOnce) {
+  const PeerList ports = testing::LoopbackPeers(2);
+  const PeerList peers({ports.at(0), ports.at(1), PeerID{"127.0.0.2", ports.at(1).port}}, 0);
+  std::vector<Status> results(2);
+  std::vector<std::unique_ptr<Engine>> engines(2);
+  const auto t0 = std::chrono::steady_clock::now();
+  RunRanks(2, [&](int r) {  // rank 2 never starts: it could not bind its port
+    EngineConfig c;
+    c.peers = peers;
+    c.rank = r;
+    c.token = "t";
+    c.timeout_seconds = 20;
+    auto e = Engine::Start(c);
+    results[r] = e.status();
+    if (e.ok()) engines[r] = std::move(e.value());
+  });
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(CodeName(results[r].code()), CodeName(Code::kAlreadyExists));
+  EXPECT_TRUE(results[0].message().find("the address of rank 2 reached rank 1") != std::string::npos);
+  EXPECT_TRUE(results[1].message().find("the address of rank 2 reached this worker itself") != std::string::npos);
+  EXPECT_TRUE(secs < 10);  // not the 20 s deadline
+}
+
 TEST(Errors, PortInUseFailsStartPromptly) {
   const PeerList peers = testing::LoopbackPeers(2);
   EngineConfig c;

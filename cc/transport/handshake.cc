@@ -13,7 +13,7 @@ namespace {
 constexpr uint32_t kHelloMagic = 0x5348464b;  // "KFHS"
 // The handshake's own version in the high byte, the frames' (wire.h) in the low one: builds whose frames
 // differ refuse each other here, with a clear error, instead of breaking at the first frame.
-constexpr uint16_t kHandshakeVersion = (1 << 8) | kProtocolVersion;
+constexpr uint16_t kHandshakeVersion = (2 << 8) | kProtocolVersion;  // 2: the server's rank in CHALLENGE
 constexpr size_t kNonceBytes = 32;
 constexpr size_t kMaxIdBytes = 255;
 
@@ -56,6 +56,15 @@ std::vector<uint8_t> EncodeHello(const Hello& h) {
   return out;
 }
 
+// CHALLENGE layout: server nonce[32], server rank u32, MAC[32].
+constexpr size_t kChallengeBytes = kNonceBytes + 4 + 32;
+
+std::vector<uint8_t> RankBytes(uint32_t rank) {
+  std::vector<uint8_t> out(4);
+  std::memcpy(out.data(), &rank, 4);
+  return out;
+}
+
 Digest Mac(const std::string& token, const char* label, const uint8_t* a, const uint8_t* b,
            const std::vector<uint8_t>& extra) {
   std::vector<uint8_t> msg(label, label + std::strlen(label));
@@ -88,7 +97,7 @@ Status ReadHello(int fd, Hello* h, std::vector<uint8_t>* raw, Deadline deadline)
 }  // namespace
 
 Status ClientHandshake(int fd, const HandshakeParams& params, int self_rank, const PeerID& self_id,
-                       Deadline deadline) {
+                       int expect_rank, Deadline deadline) {
   Hello hello;
   hello.version = kHandshakeVersion;
   hello.cluster_version = params.cluster_version;
@@ -98,17 +107,26 @@ Status ClientHandshake(int fd, const HandshakeParams& params, int self_rank, con
   const std::vector<uint8_t> raw = EncodeHello(hello);
   RETURN_IF_ERROR(WriteFull(fd, raw.data(), raw.size(), deadline));
 
-  uint8_t challenge[kNonceBytes + 32];
+  uint8_t challenge[kChallengeBytes];
   RETURN_IF_ERROR(ReadFull(fd, challenge, sizeof(challenge), deadline).WithContext("reading the handshake challenge"));
   const uint8_t* server_nonce = challenge;
+  uint32_t server_rank;
+  std::memcpy(&server_rank, challenge + kNonceBytes, 4);
+  const Digest expect = Mac(params.token, "kungfu-server", hello.nonce, server_nonce, RankBytes(server_rank));
+  const bool genuine = ConstantTimeEqual(expect.data(), challenge + kNonceBytes + 4, 32);
+  if (genuine && server_rank != static_cast<uint32_t>(expect_rank)) {
+    const std::string who = server_rank == static_cast<uint32_t>(self_rank)
+                                ? "this worker itself"
+                                : "rank " + std::to_string(server_rank);
+    return AlreadyExists("the address of rank " + std::to_string(expect_rank) + " reached " + who +
+                         ": two workers listen where one address leads (two names of one host, each given "
+                         "the same port?); name each host once, in one way");
+  }
   // Send our proof before judging the server's, so a server with another token learns (and logs)
   // that the tokens differ instead of seeing a connection that just closed.
   const Digest proof = Mac(params.token, "kungfu-client", server_nonce, hello.nonce, raw);
   RETURN_IF_ERROR(WriteFull(fd, proof.data(), proof.size(), deadline));
-  const Digest expect = Mac(params.token, "kungfu-server", hello.nonce, server_nonce, {});
-  if (!ConstantTimeEqual(expect.data(), challenge + kNonceBytes, 32)) {
-    return PermissionDenied("the peer could not prove it holds the job token");
-  }
+  if (!genuine) return PermissionDenied("the peer could not prove it holds the job token");
   uint8_t verdict = 0;
   RETURN_IF_ERROR(ReadFull(fd, &verdict, 1, deadline).WithContext("reading the handshake verdict"));
   if (verdict != kAccepted) return PermissionDenied(std::string("the peer refused us: ") + VerdictText(verdict));
@@ -119,10 +137,12 @@ StatusOr<int> ServerHandshake(int fd, const HandshakeParams& params, Deadline de
   Hello hello;
   std::vector<uint8_t> raw;
   RETURN_IF_ERROR(ReadHello(fd, &hello, &raw, deadline));
-  uint8_t challenge[kNonceBytes + 32];
+  uint8_t challenge[kChallengeBytes];
   if (!RandomBytes(challenge, kNonceBytes)) return Internal("getrandom failed");
-  const Digest server_mac = Mac(params.token, "kungfu-server", hello.nonce, challenge, {});
-  std::memcpy(challenge + kNonceBytes, server_mac.data(), 32);
+  const std::vector<uint8_t> self_rank = RankBytes(static_cast<uint32_t>(params.self_rank));
+  std::memcpy(challenge + kNonceBytes, self_rank.data(), 4);
+  const Digest server_mac = Mac(params.token, "kungfu-server", hello.nonce, challenge, self_rank);
+  std::memcpy(challenge + kNonceBytes + 4, server_mac.data(), 32);
   RETURN_IF_ERROR(WriteFull(fd, challenge, sizeof(challenge), deadline));
 
   uint8_t proof[32];

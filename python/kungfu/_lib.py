@@ -137,7 +137,8 @@ def init():
 # (_env), so only a rerun picks another. (What sets KUNGFU_TIMEOUT: _env.timeout_knob.)
 _PORT_TAKEN_HINT = {
     "kfrun": "another job or program holds that port (two jobs started at once may pick the same ports): give "
-             "this job other ports with `kfrun --port-range A-B`",
+             "this job other ports with `kfrun --port-range A-B`; or two names in -H/--hostfile lead to this one "
+             "host, which then got one port twice: name each host once",
     "mpirun": "another program took the port this worker had reserved for its engine; start the job again",
 }
 
