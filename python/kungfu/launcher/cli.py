@@ -143,6 +143,9 @@ def parse_args(argv):
         raise UsageError("no worker command; put it after --, e.g. kfrun -np 2 -- python train.py")
     if not command[0]:
         raise UsageError("the worker command's program name is empty (''); e.g. kfrun -np 2 -- python train.py")
+    if command[0].startswith("slots="):  # -H host slots=N: the hostfile's form, split by the shell
+        raise UsageError(f"the worker command starts with '{command[0]}': -H takes host:N (e.g. -H 10.1.0.2:4); "
+                         "'host slots=N' is the --hostfile form")
     timeout = _timeout(fv)
     grace = _seconds("grace", timeout + 10 if fv.grace is None else fv.grace, 0, _env.TIMEOUT_MAX + 10,
                      low_open=False)

@@ -6,6 +6,7 @@ one pool of ports and one LOCAL_RANK numbering.
 """
 
 import codecs
+import re
 import dataclasses
 import socket
 
@@ -40,11 +41,18 @@ def _check_host_name(host, where):
     return host
 
 
+_IPV6_CHARS = set("0123456789abcdefABCDEF:.%")
+
+
 def _parse_entry(entry, where):
     """'host:N' or 'host' (1 slot)."""
-    if entry.startswith("[") or entry.count(":") > 1:
+    if entry.startswith("[") or (entry.count(":") > 1 and set(entry) <= _IPV6_CHARS
+                                 and not re.fullmatch(r"[\d.]+(:\d*)+", entry)):  # not 10.1.0.2:4:1
         raise UsageError(f"{where}: '{entry}' looks like an IPv6 address; the engine speaks IPv4 only, so give "
                          "a host name or an IPv4 address")
+    if entry.count(":") > 1 or ";" in entry:
+        raise UsageError(f"{where}: '{entry}' is not host or host:N (hosts are separated by commas, e.g. "
+                         "-H 127.0.0.1:4,10.1.0.2:4)")
     host, sep, slots = entry.partition(":")
     if not sep:
         return HostSpec(_check_host_name(host, where), 1)
