@@ -130,13 +130,15 @@ def test_collectives_can_start_during_the_backward_pass():
     assert last.inputs[0].op.name not in ancestors(first)
 
 
-@pytest.mark.parametrize("kind,optimizer,opt_args", [
-    ("mlp", "sgd", {}), ("mlp", "adam", {}), ("embedding", "sgd", {}), ("embedding", "adam", {}),
-    ("bn", "sgd", {"momentum": 0.9}), ("mlp", "adam", {"global_clipnorm": 0.5}), ("shared", "adam", {}), ("mlp", "nadam", {})])
-def test_bit_exact_with_one_worker(kind, optimizer, opt_args):
+@pytest.mark.parametrize("kind,optimizer,opt_args,rewrite_args", [
+    ("mlp", "sgd", {}, {}), ("mlp", "adam", {}, {}), ("embedding", "sgd", {}, {}), ("embedding", "adam", {}, {}),
+    ("bn", "sgd", {"momentum": 0.9}, {}), ("mlp", "adam", {"global_clipnorm": 0.5}, {}), ("shared", "adam", {}, {}),
+    ("mlp", "nadam", {}, {}), ("mlp", "sgd", {}, {"compression": "fp16"})])  # nothing sent: nothing rounded
+def test_bit_exact_with_one_worker(kind, optimizer, opt_args, rewrite_args):
     original_model, original_opt = model_and_optimizer(kind, optimizer, **opt_args)
     model, opt = model_and_optimizer(kind, optimizer, **opt_args)
-    original, rewritten = train_step(original_model, original_opt), kungfu.rewrite(train_step(model, opt))
+    original, rewritten = train_step(original_model, original_opt), kungfu.rewrite(train_step(model, opt),
+                                                                                  **rewrite_args)
     for s in range(4):
         x, y = batch(kind, seed=s)
         want, got = original(x, y), rewritten(x, y)
@@ -359,6 +361,8 @@ def test_bad_arguments():
         kungfu.rewrite(lambda: None, fusion_bytes=-1)
     with pytest.raises(TypeError, match=r"fn must be a tf.function"):
         kungfu.rewrite(3)
+    with pytest.raises(TypeError, match=r"fn is a rewritten step already"):
+        kungfu.rewrite(kungfu.rewrite(lambda: None))
 
 
 def test_a_pass_can_add_ops_before_the_reduction():

@@ -64,6 +64,9 @@ def rewrite(fn, strategy="ssgd", *, fusion_bytes=None, compression=None, monitor
         raise ValueError(f"kungfu.rewrite: fusion_bytes must be an int >= 0, got {fusion_bytes!r}")
     if not callable(fn):
         raise TypeError(f"kungfu.rewrite: fn must be a tf.function or a Python function, got {type(fn).__name__}")
+    if isinstance(fn, Rewritten):
+        raise TypeError("kungfu.rewrite: fn is a rewritten step already (its gradients are averaged): call it "
+                        "as it is, or rewrite the original step with all the options at once")
     try:
         names, monitor_interval = _monitor.check_arguments(monitors, monitor_interval, local_batch_size,
                                                            monitor_alpha)

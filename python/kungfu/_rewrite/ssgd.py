@@ -42,7 +42,7 @@ def mean_gradients(grads, ctx, extra=()):
     fusion_bytes = ctx.options.get("fusion_bytes")
     if fusion_bytes is None:
         fusion_bytes = DEFAULT_FUSION_BYTES
-    compression = ctx.options.get("compression", "none")
+    compression = _compression_of(ctx)
     out, extra = list(grads), list(extra)
     dense = [i for i, g in enumerate(grads) if not g.sparse]
     buckets = _buckets(dense, grads, fusion_bytes, compression)
@@ -82,7 +82,7 @@ def mean_gradients_with_norms(grads, ctx, norms):
     fusion_bytes = ctx.options.get("fusion_bytes")
     if fusion_bytes is None:
         fusion_bytes = DEFAULT_FUSION_BYTES
-    compression = ctx.options.get("compression", "none")
+    compression = _compression_of(ctx)
     out, local, reduced = list(grads), [], []
     for b, bucket in enumerate(_buckets(list(range(len(grads))), grads, fusion_bytes, compression)):
         members = [grads[i] for i in bucket]
@@ -98,6 +98,12 @@ def mean_gradients_with_norms(grads, ctx, norms):
         reduced.append(reduced_sq)
     zero = tf.constant(0.0, tf.float32)
     return out, tf.add_n(local) if local else zero, tf.add_n(reduced) if reduced else zero
+
+
+def _compression_of(ctx):
+    """The wire format of the dense gradients: none on one worker, where nothing is sent (as the optimizer
+    wrappers do), so that the step stays bit for bit the original."""
+    return ctx.options.get("compression", "none") if ctx.size > 1 else "none"
 
 
 def _buckets(positions, grads, fusion_bytes, compression):
