@@ -37,8 +37,26 @@ def dataset(kind, rows, seed=0):
     return x, rng.normal(size=(rows, 3)).astype(np.float32)
 
 
+class SharedEmbedding(keras.Model):
+    """One embedding looked up twice (two IndexedSlices gradients, joined by concatenation) and, tied,
+    also the output projection (a dense gradient too: all summed). Convention 7."""
+
+    def __init__(self, tied):
+        super().__init__()
+        self.tied = tied
+        self.emb, self.out = keras.layers.Embedding(20, 4), keras.layers.Dense(3)
+
+    def call(self, x):
+        h = tf.reduce_mean(self.emb(x), axis=1) + tf.reduce_mean(self.emb(tf.reverse(x, [1])), axis=1)
+        return self.out(tf.matmul(h, self.emb.embeddings, transpose_b=True) if self.tied else h)
+
+
 def build(kind, optimizer):
     keras.utils.set_random_seed(1)  # the same initial weights on every worker and in the reference
+    if kind in ("twice", "tied"):
+        model = SharedEmbedding(kind == "tied")
+        model(np.zeros((1, 5), np.int32))
+        return model, keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.1)
     if kind == "mlp":
         layers = [keras.Input((6,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)]
     else:
@@ -129,6 +147,16 @@ def ssgd_embedding_sgd_matches_combined_batch():
 @check
 def ssgd_embedding_adam_matches_combined_batch():
     ssgd_equivalence("embedding", "adam")
+
+
+@check
+def ssgd_embedding_looked_up_twice_matches_combined_batch():
+    ssgd_equivalence("twice", "adam")
+
+
+@check
+def ssgd_tied_embedding_matches_combined_batch():
+    ssgd_equivalence("tied", "sgd")
 
 
 @check

@@ -425,6 +425,26 @@ def test_tf_conventions_hold():
     sums = [op for op in shared.graph.get_operations() if op.type == "AddN" and not conv.in_gradient_scope(op.name)
             and all(conv.in_gradient_scope(t.op.name) for t in op.inputs)]
     assert len(sums) == 2, "7: the tape no longer sums a twice-used layer's gradients with an AddN outside its scope"
+    emb = keras.layers.Embedding(20, 4)
+    ids = tf.constant([[1, 2], [3, 4]])
+    emb(ids)
+
+    @tf.function
+    def shared_embedding(ids):  # looked up twice (IndexedSlices parts); then also tied (a dense part too)
+        with tf.GradientTape(persistent=True) as tape:
+            h = tf.reduce_sum(emb(ids)) + tf.reduce_sum(emb(ids + 1))
+            tied = h + tf.reduce_sum(tf.matmul(emb(ids)[0], emb.embeddings, transpose_b=True))
+        return tape.gradient(h, emb.embeddings), tape.gradient(tied, emb.embeddings)
+
+    joins, backward = [], set()
+    for op in shared_embedding.get_concrete_function(ids).graph.get_operations():
+        if conv.in_gradient_scope(op.name):
+            backward.add(op.name)
+        elif summed := conv.gradient_sum_ops(op, backward):
+            backward.update(o.name for o in summed)
+            joins.append((op.type, len(summed) > 1))
+    assert ("ConcatV2", False) in joins and ("AddN", True) in joins, \
+        f"7: the tape no longer joins an embedding's IndexedSlices gradients as it did (found {joins})"
     forward = tf.function(lambda x: model(x))
 
     @tf.function
@@ -451,6 +471,7 @@ def test_tf_conventions_hold():
 WORKER = os.path.join(REPO, "tests", "rewrite_worker.py")
 CHECKS = ["ssgd_mlp_sgd_matches_combined_batch", "ssgd_mlp_adam_matches_combined_batch",
           "ssgd_embedding_sgd_matches_combined_batch", "ssgd_embedding_adam_matches_combined_batch",
+          "ssgd_embedding_looked_up_twice_matches_combined_batch", "ssgd_tied_embedding_matches_combined_batch",
           "ssgd_one_collective_per_gradient_matches_combined_batch", "ssgd_nested_forward_function_matches_combined_batch",
           "rewrite_equals_hand_written_all_reduce",
           "sparse_rows_differ_across_workers", "rewrite_equals_synchronous_sgd_optimizer",

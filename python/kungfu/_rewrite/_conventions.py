@@ -21,7 +21,10 @@ could change (1, 2, 4, 5, 6, 7, 8, 9), naming the one that did.
   6. Inside the body of a tf.function being traced, the default graph's `inputs` are, before anything is
      captured, the argument placeholders, in the order a function of the same signature uses. (TF internal.)
   7. When a variable is used more than once (a layer called twice), the tape sums its partial gradients
-     with an AddN made outside the "gradient_tape" name scope, whose inputs all come from the backward pass.
+     with an AddN made outside the "gradient_tape" name scope, whose inputs all come from the backward pass;
+     an IndexedSlices part among dense ones (an embedding also used as a tied output layer) is made dense
+     first, by ops under the AddN's own name scope ("AddN/..."). IndexedSlices parts alone (one embedding
+     looked up twice) are joined by two ConcatV2 ops outside the scope, of the values and of the indices.
   8. A tf.function keeps its reduce_retracing= in the attribute _reduce_retracing. (TF internal.)
   9. The backward pass of a nested tf.function (a forward pass, or part of it, in a tf.function of its
      own) is a call (PartitionedCall) of a function whose name holds "__backward_", made outside the
@@ -72,10 +75,28 @@ def in_gradient_scope(op_name):
     return GRADIENT_SCOPE.search(op_name) is not None
 
 
-def is_gradient_sum(op, backward):
-    """Whether op is the tape's sum of one variable's partial gradients (convention 7); backward holds
-    the names of the backward-pass ops seen so far."""
-    return op.type == "AddN" and bool(op.inputs) and all(t.op.name in backward for t in op.inputs)
+def gradient_sum_ops(op, backward):
+    """The ops by which the tape sums one variable's partial gradients (convention 7) ending at op: op
+    itself, and for an AddN the ops under its name scope that made an IndexedSlices part dense; empty if
+    op is no such sum. backward holds the names of the backward-pass ops seen so far. (A sum and a
+    concatenation are linear, so averaging after them is averaging before them.)"""
+    if op.type == "ConcatV2" and len(op.inputs) > 2:
+        parts, axis = op.inputs[:-1], op.inputs[-1]
+        joined = axis.op.type == "Const" and all(t.op.name in backward for t in parts)
+        return [op] if joined else []
+    if op.type != "AddN" or not op.inputs:
+        return []
+    prefix, helpers = op.name + "/", {}
+
+    def from_backward(t):
+        if t.op.name in backward:
+            return True
+        if not t.op.name.startswith(prefix):
+            return False
+        helpers[t.op.name] = t.op
+        return all(from_backward(i) for i in t.op.inputs)
+
+    return [op, *helpers.values()] if all(from_backward(t) for t in op.inputs) else []
 
 
 _BACKWARD_FUNCTION = "__backward_"

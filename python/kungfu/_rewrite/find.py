@@ -1,9 +1,9 @@
 """Finding the gradients of a traced training step and the variable updates they feed.
 
 A *gradient tensor* is a tensor that the backward pass of a tf.GradientTape produced (an op under the
-"gradient_tape/" name scope, the AddN with which the tape sums the gradients of a variable used more
-than once, e.g. a layer called twice, or the call of a nested tf.function's backward function) and that
-something outside the backward pass consumes. An *update* is an op
+"gradient_tape/" name scope, the ops with which the tape sums or joins the gradients of a variable used
+more than once, e.g. a layer called twice or an embedding looked up twice, or the call of a nested
+tf.function's backward function) and that something outside the backward pass consumes. An *update* is an op
 that writes a trainable variable (AssignSubVariableOp, ResourceScatterSub, ...). The gradient of a variable
 is the gradient tensor its updates depend on, found by walking the data inputs of the updates backwards:
   - through the optimizer's own state: a read of a slot variable (Adam's m and v) continues at the
@@ -84,8 +84,10 @@ def _boundary_tensors(ops):
     """Outputs of backward-pass ops that an op outside the backward pass consumes, by name."""
     backward = set()  # names of the backward pass's ops; ops come in creation order, inputs first
     for op in ops:
-        if conv.in_gradient_scope(op.name) or conv.is_gradient_sum(op, backward) or conv.is_backward_call(op):
+        if conv.in_gradient_scope(op.name) or conv.is_backward_call(op):
             backward.add(op.name)
+        else:
+            backward.update(o.name for o in conv.gradient_sum_ops(op, backward))
     boundary = {}
     for op in ops:
         if op.name in backward:
