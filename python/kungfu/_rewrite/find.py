@@ -62,13 +62,6 @@ def find_gradients(cf, what):
     found = {ph: (floats, ints) for ph, (floats, ints, _, _) in walks.items() if floats or ints or ph not in read}
     updated = {ph: ws for ph, ws in updated.items() if ph in found}
     local = _local_data_writes(cf, ops, updated, boundary, trainable, writes)
-    # A trainable variable updated from no gradient and from nothing of this worker's data (a counter's
-    # assign_add(1.0); an unconnected variable's zero gradient, tape.gradient(...,
-    # unconnected_gradients="zero")) changes alike on every worker: it is left alone too.
-    found = {ph: fi for ph, fi in found.items() if fi[0] or fi[1] or ph in local}
-    if not found:  # updates, but none from a gradient
-        raise ValueError(_nothing_found(what, ops, boundary, {}, trainable))
-    updated = {ph: ws for ph, ws in updated.items() if ph in found}
     _check_one_per_variable(what, found, updated, trainable, local)
     order = {op.name: i for i, op in enumerate(ops)}
     sites = []
@@ -268,17 +261,17 @@ def _check_one_per_variable(what, found, updated, trainable, local):
     for ph, (floats, ints) in found.items():
         name = conv.variable_name(trainable[ph])
         ops = ", ".join(f"{w.type} '{w.name}'" for w in updated[ph])
-        if ph in local:
+        if not floats:
+            problems.append(f"{name} is updated ({ops}) from no gradient")
+        elif ph in local:
             for w, reached, has_gradient in local[ph]:
                 if has_gradient:
                     scaled.setdefault(reached, []).append(name)
                 else:
                     problems.append(
-                        f"{name} is {'also ' if floats else ''}updated ({w.type} '{w.name}') from this worker's "
-                        f"data ('{reached}') without a gradient, which the rewrite cannot average: the workers' "
-                        "copies would drift apart")
-        elif not floats:
-            problems.append(f"{name} is updated ({ops}) from no gradient")
+                        f"{name} is also updated ({w.type} '{w.name}') from this worker's data ('{reached}') "
+                        "without a gradient, which the rewrite cannot average: the workers' copies would drift "
+                        "apart")
         elif len(floats) > 1:
             problems.append(f"{name} is updated from {len(floats)} gradient tensors: "
                             f"{', '.join(sorted(t.name for t in floats))}")
