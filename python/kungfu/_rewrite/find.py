@@ -54,7 +54,8 @@ def find_gradients(cf, what):
     if not boundary or not updated:
         raise ValueError(_nothing_found(what, ops, boundary, updated, trainable))
     walks = {ph: _gradients_of(ws, boundary, trainable, writes) for ph, ws in updated.items()}
-    _check_not_distributed(what, {ph: [op for op in w[3] if _on_gradient_path(op, boundary)]
+    dependent = _gradient_dependent(ops, boundary)  # a collective counts only on a gradient's path
+    _check_not_distributed(what, {ph: [op for op in w[3] if any(t.name in dependent for t in op.inputs)]
                                   for ph, w in walks.items()}, trainable, cf.graph)
     # A trainable variable with no gradient that other variables' updates read is optimizer state that
     # was made trainable (Keras's Nadam makes its u_product so): it is left alone, as the optimizer's own.
@@ -158,10 +159,11 @@ def _local_data_writes(cf, ops, updated, boundary, trainable, writes):
     # Scalar arguments are taken as the same on every worker (a learning rate or a step passed in).
     data = ({t.op.name for t in conv.split_inputs(cf)[0] if t.shape.rank != 0}
             | {op.name for op in ops if op.type in _ITERATOR_OPS})
+    tainted = _data_taint(ops, data, boundary, trainable)
     local = {}
     for ph, ws in updated.items():
         for w in ws:
-            reached = _reaches(w, data, boundary, trainable, writes)
+            reached = next((tainted[t.name] for t in w.inputs if t.name in tainted and t.name not in boundary), None)
             if reached is not None:
                 has_gradient = bool(_gradients_of([w], boundary, trainable, writes)[0])
                 local.setdefault(ph, []).append((w, reached, has_gradient))
@@ -171,43 +173,45 @@ def _local_data_writes(cf, ops, updated, boundary, trainable, writes):
 _ITERATOR_OPS = frozenset({"IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional"})
 
 
-def _reaches(op, data, boundary, trainable, writes):
-    """The name of the op in data that op's data inputs depend on other than through a gradient tensor, a
-    trainable variable's value (followed through optimizer state, as _gradients_of does) or a KungFu
-    collective's result; None if there is none."""
-    stack = [t for t in op.inputs if t.dtype != tf.resource]
-    seen = set()
-    while stack:
-        t = stack.pop()
-        if t.name in seen or t.name in boundary:
-            continue
-        seen.add(t.name)
-        if t.op.name in data:
-            return t.op.name
-        if t.op.type in conv.KUNGFU_SHARED_RESULT_OPS:
-            continue
-        if t.op.type == "ReadVariableOp":
-            root = _resource_root(t.op.inputs[0])
-            if root not in trainable:
-                stack.extend(i for w in writes.get(root, []) for i in w.inputs if i.dtype != tf.resource)
-        else:
-            stack.extend(i for i in t.op.inputs if i.dtype != tf.resource)
-    return None
+def _data_taint(ops, data, boundary, trainable):
+    """{tensor name: the name of the op in data it depends on} for the tensors that depend on the step's
+    data other than through a gradient tensor, a trainable variable's value or a KungFu collective's
+    result; a read of another variable (optimizer state) depends on what the step writes into it. One
+    pass over the ops in creation order (inputs first), repeated while a variable newly turns out to be
+    written from data (a slot is read before it is written): linear in the graph's size."""
+    tainted, variables = {}, {}  # variables: resource root -> data op
+    while True:
+        grew = False
+        for op in ops:
+            if op.name in data:
+                src = op.name
+            elif op.type in conv.KUNGFU_SHARED_RESULT_OPS:
+                continue
+            elif op.type == "ReadVariableOp":
+                root = _resource_root(op.inputs[0])
+                src = None if root in trainable else variables.get(root)
+            else:
+                src = next((tainted[t.name] for t in op.inputs if t.name in tainted and t.name not in boundary), None)
+            if src is None:
+                continue
+            for t in op.outputs:
+                tainted.setdefault(t.name, src)
+            if conv.is_variable_write(op.type) and op.inputs:
+                root = _resource_root(op.inputs[0])
+                if root not in trainable and root not in variables:
+                    variables[root] = src
+                    grew = True
+        if not grew:
+            return tainted
 
 
-def _on_gradient_path(op, boundary):
-    """Whether op's data inputs depend on a gradient tensor."""
-    stack = [t for t in op.inputs if t.dtype != tf.resource]
-    seen = set()
-    while stack:
-        t = stack.pop()
-        if t.name in boundary:
-            return True
-        if t.name in seen:
-            continue
-        seen.add(t.name)
-        stack.extend(i for i in t.op.inputs if i.dtype != tf.resource)
-    return False
+def _gradient_dependent(ops, boundary):
+    """The names of the tensors that depend on a gradient tensor (through data inputs), in one pass."""
+    dependent = set(boundary)
+    for op in ops:
+        if any(t.name in dependent for t in op.inputs if t.dtype != tf.resource):
+            dependent.update(t.name for t in op.outputs)
+    return dependent
 
 
 def _check_not_distributed(what, collectives, trainable, graph):
