@@ -349,11 +349,13 @@ int Engine::Impl::AfterEvents() {
     if (now >= a.deadline) expired.emplace_back(a.op->id, a.op->Progress());
   }
   if (!expired.empty()) timed_out_ = true;
+  // The peers are told, as for a mismatch: one that comes late to the collective must fail it too, not
+  // complete it from what this worker had sent, so that every worker sees the same outcome.
   for (auto& [id, progress] : expired) {
     Fail(id,
          DeadlineExceeded("timed out after " + std::to_string(config_.timeout_seconds) + " s (KUNGFU_TIMEOUT); " +
                           progress),
-         false);
+         true);
   }
   p2p_.ExpireOverdue(now);
   if (flushing_ && !pending_writes) {

@@ -56,8 +56,9 @@ std::vector<uint8_t> EncodeHello(const Hello& h) {
   return out;
 }
 
-// CHALLENGE layout: server nonce[32], server rank u32, MAC[32].
-constexpr size_t kChallengeBytes = kNonceBytes + 4 + 32;
+// CHALLENGE layout: server nonce[32], MAC[32] (the server's rank is under the MAC, not sent: the
+// layout stays that of version 1, so the client can still tell a build that predates it).
+constexpr size_t kChallengeBytes = kNonceBytes + 32;
 
 std::vector<uint8_t> RankBytes(uint32_t rank) {
   std::vector<uint8_t> out(4);
@@ -110,23 +111,35 @@ Status ClientHandshake(int fd, const HandshakeParams& params, int self_rank, con
   uint8_t challenge[kChallengeBytes];
   RETURN_IF_ERROR(ReadFull(fd, challenge, sizeof(challenge), deadline).WithContext("reading the handshake challenge"));
   const uint8_t* server_nonce = challenge;
-  uint32_t server_rank;
-  std::memcpy(&server_rank, challenge + kNonceBytes, 4);
-  const Digest expect = Mac(params.token, "kungfu-server", hello.nonce, server_nonce, RankBytes(server_rank));
-  const bool genuine = ConstantTimeEqual(expect.data(), challenge + kNonceBytes + 4, 32);
-  if (genuine && server_rank != static_cast<uint32_t>(expect_rank)) {
-    const std::string who = server_rank == static_cast<uint32_t>(self_rank)
-                                ? "this worker itself"
-                                : "rank " + std::to_string(server_rank);
-    return AlreadyExists("the address of rank " + std::to_string(expect_rank) + " reached " + who +
-                         ": two workers listen where one address leads (two names of one host, each given "
-                         "the same port?); name each host once, in one way");
+  const uint8_t* server_mac = challenge + kNonceBytes;
+  auto signed_by = [&](uint32_t rank) {
+    const Digest mac = Mac(params.token, "kungfu-server", hello.nonce, server_nonce, RankBytes(rank));
+    return ConstantTimeEqual(mac.data(), server_mac, 32);
+  };
+  const bool genuine = signed_by(static_cast<uint32_t>(expect_rank));
+  if (!genuine && params.peers != nullptr) {
+    // Another worker of this job (or this one) answering at the address we dialed: say which, and
+    // send no proof, so that it does not take the connection in. Not retried.
+    for (int r = 0; r < params.peers->size(); ++r) {
+      if (r == expect_rank || !signed_by(static_cast<uint32_t>(r))) continue;
+      const std::string who = r == self_rank ? "this worker itself" : "rank " + std::to_string(r);
+      return AlreadyExists("the address of rank " + std::to_string(expect_rank) + " reached " + who +
+                           ": two workers listen where one address leads (two names of one host, each given "
+                           "the same port?); name each host once, in one way");
+    }
   }
   // Send our proof before judging the server's, so a server with another token learns (and logs)
   // that the tokens differ instead of seeing a connection that just closed.
   const Digest proof = Mac(params.token, "kungfu-client", server_nonce, hello.nonce, raw);
   RETURN_IF_ERROR(WriteFull(fd, proof.data(), proof.size(), deadline));
-  if (!genuine) return PermissionDenied("the peer could not prove it holds the job token");
+  if (!genuine) {
+    const Digest v1 = Mac(params.token, "kungfu-server", hello.nonce, server_nonce, {});
+    if (ConstantTimeEqual(v1.data(), server_mac, 32)) {
+      return InvalidArgument("the peer speaks handshake version 1, this worker " +
+                             std::to_string(kHandshakeVersion >> 8) + ": another build of kungfu");
+    }
+    return PermissionDenied("the peer could not prove it holds the job token");
+  }
   uint8_t verdict = 0;
   RETURN_IF_ERROR(ReadFull(fd, &verdict, 1, deadline).WithContext("reading the handshake verdict"));
   if (verdict != kAccepted) return PermissionDenied(std::string("the peer refused us: ") + VerdictText(verdict));
@@ -137,12 +150,12 @@ StatusOr<int> ServerHandshake(int fd, const HandshakeParams& params, Deadline de
   Hello hello;
   std::vector<uint8_t> raw;
   RETURN_IF_ERROR(ReadHello(fd, &hello, &raw, deadline));
+  if (params.self_rank < 0) return Internal("ServerHandshake: HandshakeParams.self_rank is not set");
   uint8_t challenge[kChallengeBytes];
   if (!RandomBytes(challenge, kNonceBytes)) return Internal("getrandom failed");
-  const std::vector<uint8_t> self_rank = RankBytes(static_cast<uint32_t>(params.self_rank));
-  std::memcpy(challenge + kNonceBytes, self_rank.data(), 4);
-  const Digest server_mac = Mac(params.token, "kungfu-server", hello.nonce, challenge, self_rank);
-  std::memcpy(challenge + kNonceBytes + 4, server_mac.data(), 32);
+  const Digest server_mac =
+      Mac(params.token, "kungfu-server", hello.nonce, challenge, RankBytes(static_cast<uint32_t>(params.self_rank)));
+  std::memcpy(challenge + kNonceBytes, server_mac.data(), 32);
   RETURN_IF_ERROR(WriteFull(fd, challenge, sizeof(challenge), deadline));
 
   uint8_t proof[32];

@@ -1,16 +1,17 @@
 // The connection handshake: both ends prove they hold the job token without sending it.
 //
 //   client -> server  HELLO     magic, version, cluster version, client rank, client nonce, client id
-//   server -> client  CHALLENGE server nonce, server rank,
-//                               HMAC(token, "kungfu-server" | client nonce | server nonce | server rank)
+//   server -> client  CHALLENGE server nonce, HMAC(token, "kungfu-server" | client nonce | server nonce |
+//                               server rank)
 //   client -> server  PROOF     HMAC(token, "kungfu-client" | server nonce | client nonce | hello fields)
 //   server -> client  VERDICT   one byte: accepted, or the reason for refusal
 //
 // The server's MAC lets the client refuse an impostor; the client's MAC, compared in constant time,
 // lets the server refuse a connection without the token. Nonces come from getrandom(2). The server's
-// rank lets the client refuse a worker of its own job that answers at another worker's address (two
-// names of one host, each given the same port, lead one worker to the other, or to itself): it then
-// sends no proof, so the server does not take the connection in.
+// rank, under its MAC, lets the client refuse a worker of its own job that answers at another worker's
+// address (two names of one host, each given the same port, lead one worker to the other, or to
+// itself): it finds which rank signed, and sends no proof, so the server does not take the connection
+// in. A server of handshake version 1 signs no rank, which the client recognises ("another build").
 #pragma once
 
 #include <string>
@@ -25,7 +26,7 @@ struct HandshakeParams {
   std::string token;
   uint32_t cluster_version = 0;
   const PeerList* peers = nullptr;  // server side: who may connect
-  int self_rank = -1;               // server side: the rank it tells clients
+  int self_rank = -1;               // server side: the rank it signs (must be set: Internal otherwise)
 };
 
 // Client side, on a freshly connected blocking socket. self_rank/self_id say who we are; expect_rank is
