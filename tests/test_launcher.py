@@ -27,6 +27,28 @@ from launcher_util import ENV_WORKER, PID_WORKER, alive, fake_ssh_path, records,
 from launcher_util import reaper  # noqa: F401  (a fixture)
 
 
+REJOIN_WORKER = """
+import kungfu, kungfu.errors
+kungfu.init()
+kungfu.finalize()
+try:
+    kungfu.init()
+except kungfu.errors.EngineError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_a_worker_that_left_its_cluster_cannot_init_again(reaper, tmp_path):
+    # Its peers have said goodbye: a second init() half-joined (its collectives failed with Unavailable,
+    # a peer's init timed out). It is a clear error instead.
+    script = tmp_path / "rejoin.py"
+    script.write_text(REJOIN_WORKER)
+    rc, out, err = run_kfrun(["-np", "2", "--timeout", "10", "--", sys.executable, str(script)], reaper)
+    assert rc == 0, err
+    for rank in (0, 1):
+        assert f"[{rank}] REFUSED kungfu.init: this process was rank {rank} of 2 and left that cluster" in out, out
+
+
 @pytest.mark.parametrize("np", [1, 2, 3, 4])
 def test_env_contract(np, reaper, tmp_path):
     script = tmp_path / "worker.py"
@@ -154,6 +176,7 @@ def test_a_child_left_by_a_worker_that_exited_is_killed_and_named_so(reaper):
     (["-np", "2", "-H", "127.0.0.1:1,nohost.invalid:1", "--", "x"], "loopback name"),
     (["-np", "1", "-H", "[::1]:1", "--", "x"], "IPv6"),
     (["-np", "1", "-H", "fe80::1", "--", "x"], "IPv6"),
+    (["-np", "1", "-H", "2001:4860:4860::8888", "--", "x"], "IPv6"),
     (["-np", "2", "-H", "10.1.0.1:1;10.1.0.2:1", "--", "x"], "hosts are separated by commas"),
     (["-np", "1", "-H", "10.1.0.1:2:3", "--", "x"], "is not host or host:N"),
     (["-np", "2", "-H", "10.1.0.1", "slots=2", "--", "x"], "-H takes host:N"),

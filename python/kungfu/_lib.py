@@ -30,6 +30,7 @@ _library = None  # _Library, once loaded
 _cluster = None  # kungfu._env.ClusterSpec of the running engine; None when not initialized
 _atexit_registered = False
 _uncaught = False  # an exception reached sys.excepthook: finalize() then skips its barrier
+_left = None  # the ClusterSpec this process left with finalize(), when it had peers: no way back in
 _DTYPE_INT32, _OP_SUM = 2, 1  # cc/dtype.h wire values
 
 
@@ -112,6 +113,11 @@ def init():
     with _lock:
         if _cluster is not None:
             return
+        if _left is not None:
+            raise errors.EngineError(
+                f"kungfu.init: this process was rank {_left.rank} of {_left.size} and left that cluster with "
+                "kungfu.finalize(); it cannot join again (its peers have said goodbye, or will): call finalize() "
+                "once, when the worker is done")
         bind_to = _bind.check_mode(os.environ.get(_bind.ENV, "none"))
         # Under mpirun, resolve_cluster reserves this worker's engine port for the rendezvous; it stays
         # held while the library (and TensorFlow: seconds) loads, and is released just before the engine
@@ -196,11 +202,13 @@ def finalize():
     engine says goodbye to its peers, so one still finishing the wait does not take this worker's
     exit for a failure; without it (a failed or skipped wait), peers see a closed connection.
     """
-    global _cluster
+    global _cluster, _left
     with _lock:
         if _cluster is None:
             return
         clean = _cluster.size > 1 and not _uncaught and _finalize_barrier()
+        if _cluster.size > 1:
+            _left = _cluster
         _cluster = None
         (_library.c.kungfu_leave if clean else _library.c.kungfu_finalize)()
 

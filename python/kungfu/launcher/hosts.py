@@ -6,7 +6,6 @@ one pool of ports and one LOCAL_RANK numbering.
 """
 
 import codecs
-import re
 import dataclasses
 import socket
 
@@ -46,8 +45,8 @@ _IPV6_CHARS = set("0123456789abcdefABCDEF:.%")
 
 def _parse_entry(entry, where):
     """'host:N' or 'host' (1 slot)."""
-    if entry.startswith("[") or (entry.count(":") > 1 and set(entry) <= _IPV6_CHARS
-                                 and not re.fullmatch(r"[\d.]+(:\d*)+", entry)):  # not 10.1.0.2:4:1
+    if entry.startswith("[") or "::" in entry or (entry.count(":") > 1 and set(entry) <= _IPV6_CHARS
+                                                  and "." not in entry):  # not 10.1.0.2:4:1
         raise UsageError(f"{where}: '{entry}' looks like an IPv6 address; the engine speaks IPv4 only, so give "
                          "a host name or an IPv4 address")
     if entry.count(":") > 1 or ";" in entry:
