@@ -13,7 +13,7 @@ namespace {
 constexpr uint32_t kHelloMagic = 0x5348464b;  // "KFHS"
 // The handshake's own version in the high byte, the frames' (wire.h) in the low one: builds whose frames
 // differ refuse each other here, with a clear error, instead of breaking at the first frame.
-constexpr uint16_t kHandshakeVersion = (2 << 8) | kProtocolVersion;  // 2: the server's rank in CHALLENGE
+constexpr uint16_t kHandshakeVersion = (2 << 8) | kProtocolVersion;  // 2: CHALLENGE signs the server's rank
 constexpr size_t kNonceBytes = 32;
 constexpr size_t kMaxIdBytes = 255;
 
