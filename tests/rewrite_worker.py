@@ -56,24 +56,24 @@ def build(kind, optimizer):
     if kind in ("twice", "tied"):
         model = SharedEmbedding(kind == "tied")
         model(np.zeros((1, 5), np.int32))
-        return model, keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.1)
-    if kind == "mlp":
-        layers = [keras.Input((6,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(3)]
+    elif kind == "mlp":
+        model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="tanh"),
+                                  keras.layers.Dense(3)])
     else:
-        layers = [keras.Input((5,), dtype="int32"), keras.layers.Embedding(20, 4), keras.layers.Flatten(),
-                  keras.layers.Dense(3)]
-    model = keras.Sequential(layers)
+        model = keras.Sequential([keras.Input((5,), dtype="int32"), keras.layers.Embedding(20, 4),
+                                  keras.layers.Flatten(), keras.layers.Dense(3)])
     opt = keras.optimizers.Adam(0.01) if optimizer == "adam" else keras.optimizers.SGD(0.1)
     return model, opt
 
 
-def plain_step(model, opt):
-    """The user's unmodified training step."""
+def plain_step(model, opt, forward=None):
+    """The user's unmodified training step; forward (default: model) computes the predictions."""
+    forward = forward or model
 
     @tf.function
     def train_step(x, y):
         with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(x) - y))
+            loss = tf.reduce_mean(tf.square(forward(x) - y))
         grads = tape.gradient(loss, model.trainable_variables)
         opt.apply_gradients(zip(grads, model.trainable_variables))
         return loss
@@ -167,17 +167,7 @@ def ssgd_one_collective_per_gradient_matches_combined_batch():
 def nested_forward_step(model, opt):
     """The forward pass in a tf.function of its own (a decorated predict()): TF runs its backward pass as
     a call of a function of its own, outside the tape's name scope (convention 9)."""
-    forward = tf.function(lambda x: model(x))
-
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(forward(x) - y))
-        grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    return train_step
+    return plain_step(model, opt, forward=tf.function(lambda x: model(x)))
 
 
 @check

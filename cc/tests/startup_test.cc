@@ -1,0 +1,137 @@
+// What fails Engine::Start, promptly and saying why: a peer without the job token, another worker of
+// the job (or this one) answering at a peer's address, a peer of another build, a port someone else
+// holds. N ranks as threads in one process over loopback.
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "cc/engine.h"
+#include "cc/sha256.h"
+#include "cc/tests/cluster.h"
+#include "cc/tests/testing.h"
+#include "cc/transport/socket.h"
+
+namespace kungfu {
+namespace {
+
+using testing::RunRanks;
+
+TEST(Handshake, WrongTokenIsRefused) {
+  const PeerList peers = testing::LoopbackPeers(2);
+  std::vector<Status> results(2);
+  std::vector<std::unique_ptr<Engine>> engines(2);
+  RunRanks(2, [&](int r) {
+    EngineConfig c;
+    c.peers = peers;
+    c.rank = r;
+    c.token = r == 0 ? "right" : "wrong";
+    c.timeout_seconds = 1;  // a refused handshake is retried until the deadline
+    auto e = Engine::Start(c);
+    results[r] = e.status();
+    if (e.ok()) engines[r] = std::move(e.value());
+  });
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(CodeName(results[r].code()), CodeName(Code::kPermissionDenied));
+}
+
+// Two names of one host, each given the same port (e.g. "node2" and its address in a hostfile): the
+// address of one rank leads to another rank's engine, which listens on every interface, or to this
+// worker's own. The handshake names the rank that signed, so Start fails at once with that, instead of
+// a worker taking its own connection for a peer's and the collectives failing later with a mismatch.
+TEST(Handshake, AnotherWorkerAnsweringAtAPeersAddressFailsStartAtOnce) {
+  const PeerList ports = testing::LoopbackPeers(3);
+  // Rank 0 was told rank 2 is at rank 1's port (another name of this host); rank 1 knows better, and
+  // gives up on the rank 2 that never comes after 3 s.
+  const PeerList aliased({ports.at(0), ports.at(1), PeerID{"127.0.0.2", ports.at(1).port}}, 0);
+  std::vector<Status> results(2);
+  std::vector<double> secs(2);
+  std::vector<std::unique_ptr<Engine>> engines(2);
+  RunRanks(2, [&](int r) {
+    EngineConfig c;
+    c.peers = r == 0 ? aliased : ports;
+    c.rank = r;
+    c.token = "t";
+    c.timeout_seconds = r == 0 ? 20 : 3;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto e = Engine::Start(c);
+    secs[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    results[r] = e.status();
+    if (e.ok()) engines[r] = std::move(e.value());
+  });
+  EXPECT_EQ(CodeName(results[0].code()), CodeName(Code::kAlreadyExists));
+  EXPECT_TRUE(results[0].message().find("the address of rank 2 reached rank 1") != std::string::npos);
+  EXPECT_TRUE(secs[0] < 3);  // at once: not rank 0's 20 s, nor after rank 1 gave up
+  EXPECT_EQ(CodeName(results[1].code()), CodeName(Code::kDeadlineExceeded));
+
+  // Rank 1's address leads back to rank 0 itself.
+  const PeerList ports2 = testing::LoopbackPeers(2);
+  EngineConfig c;
+  c.peers = PeerList({ports2.at(0), PeerID{"127.0.0.2", ports2.at(0).port}}, 0);
+  c.token = "t";
+  c.timeout_seconds = 20;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto self = Engine::Start(c);
+  EXPECT_EQ(CodeName(self.status().code()), CodeName(Code::kAlreadyExists));
+  EXPECT_TRUE(self.status().message().find("the address of rank 1 reached this worker itself") != std::string::npos);
+  EXPECT_TRUE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 3);
+}
+
+// A server of handshake version 1 signs no rank: the client says it is another build, at once.
+TEST(Handshake, AVersion1ServerIsAnotherBuild) {
+  const PeerList peers = testing::LoopbackPeers(2);
+  auto listener = Listen(peers.at(1).port);
+  ASSERT_TRUE(listener.ok());
+  std::thread old_server([&] {
+    pollfd pfd{listener.value().get(), POLLIN, 0};
+    if (::poll(&pfd, 1, 10000) != 1) return;
+    Fd fd(::accept4(listener.value().get(), nullptr, nullptr, SOCK_CLOEXEC));
+    uint8_t hello[16 + 32 + 255];
+    if (!ReadFull(fd.get(), hello, 16 + 32, DeadlineAfter(5)).ok()) return;
+    uint16_t id_len;
+    std::memcpy(&id_len, hello + 6, 2);
+    if (!ReadFull(fd.get(), hello + 48, id_len, DeadlineAfter(5)).ok()) return;
+    uint8_t challenge[64] = {};  // nonce 0; MAC over the client's nonce and ours, no rank (version 1)
+    std::vector<uint8_t> msg{'k', 'u', 'n', 'g', 'f', 'u', '-', 's', 'e', 'r', 'v', 'e', 'r'};
+    msg.insert(msg.end(), hello + 16, hello + 48);
+    msg.insert(msg.end(), challenge, challenge + 32);
+    const Digest mac = HmacSha256("t", msg.data(), msg.size());
+    std::memcpy(challenge + 32, mac.data(), 32);
+    (void)WriteFull(fd.get(), challenge, sizeof(challenge), DeadlineAfter(5));
+    uint8_t proof[32];
+    (void)ReadFull(fd.get(), proof, sizeof(proof), DeadlineAfter(5));
+  });
+  EngineConfig c;
+  c.peers = peers;
+  c.token = "t";
+  c.timeout_seconds = 20;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto e = Engine::Start(c);
+  old_server.join();
+  EXPECT_EQ(CodeName(e.status().code()), CodeName(Code::kInvalidArgument));
+  EXPECT_TRUE(e.status().message().find("handshake version 1") != std::string::npos);
+  EXPECT_TRUE(e.status().message().find("another build of kungfu") != std::string::npos);
+  EXPECT_TRUE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 10);
+}
+
+TEST(Errors, PortInUseFailsStartPromptly) {
+  const PeerList peers = testing::LoopbackPeers(2);
+  EngineConfig c;
+  c.peers = peers;
+  c.rank = 0;
+  c.token = "t";
+  c.timeout_seconds = 30;
+  auto listener = Listen(peers.at(0).port);  // someone else holds rank 0's port
+  ASSERT_TRUE(listener.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  auto second = Engine::Start(c);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(CodeName(second.status().code()), CodeName(Code::kUnavailable));
+  EXPECT_TRUE(second.status().message().find("bind port") != std::string::npos);
+  EXPECT_TRUE(secs < 2);
+}
+
+}  // namespace
+}  // namespace kungfu
