@@ -40,10 +40,42 @@ def cluster_of_one():
     (dict(monitor=["variance"], monitor_interval=2.0), "monitor_interval"),
     (dict(monitor=["gns"], local_batch_size=0), "local_batch_size"),
     (dict(monitor=["gns"], local_batch_size="32"), "local_batch_size"),
+    # Not a name nor a list of names: a number would fail deep inside, a dict would give its keys.
+    (dict(monitor=5), "None, a name, or a list or tuple of names from gns, variance, snr.*got int 5"),
+    (dict(monitor={"gns": 1}, local_batch_size=8), "list or tuple of names.*got dict"),
 ])
 def test_bad_monitor_arguments_say_what_is_wrong(kwargs, words):
     with pytest.raises(ValueError, match=words):
         optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(), **kwargs)
+
+
+def test_rewrite_refuses_the_same_monitor_arguments():
+    with pytest.raises(ValueError, match="kungfu.rewrite: the monitors must be given as None, a name"):
+        kungfu.rewrite(lambda: None, monitors=5)
+
+
+def test_monitor_arguments_accept_numpy_integers_and_any_sequence_of_names():
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(), monitor=("gns", "variance"),
+                                             monitor_interval=np.int64(3), local_batch_size=np.int32(32))
+    m = opt._kungfu.monitors
+    assert m.names == {"gns", "variance"} and m.interval == 3 and type(m.interval) is int
+    assert opt.local_batch_size == 32.0
+    opt.set_local_batch_size(np.int64(16))
+    assert opt.local_batch_size == 16.0
+    other = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(), monitor={"snr"}, local_batch_size=8)
+    assert other._kungfu.monitors.names == {"snr"}
+    with pytest.raises(ValueError, match="monitor_interval"):  # a bool is not a count of steps
+        optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(), monitor="variance", monitor_interval=True)
+
+
+def test_a_batch_size_cannot_be_set_on_monitors_made_without_one():
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(), monitor="variance")
+    words = "monitors of 'sgd.*' were made without local_batch_size.*pass local_batch_size=.* when wrapping"
+    with pytest.raises(ValueError, match=words):
+        opt.set_local_batch_size(32)
+    with pytest.raises(ValueError, match=words):
+        opt.local_batch_size = 32
+    assert opt.local_batch_size is None
 
 
 def test_latest_needs_an_optimizer_with_monitors():
@@ -52,7 +84,7 @@ def test_latest_needs_an_optimizer_with_monitors():
         kungfu.monitor.latest(opt)
     with pytest.raises(ValueError, match="named 'nobody'"):
         kungfu.monitor.latest("nobody")
-    with pytest.raises(ValueError, match="no monitors with a batch size"):
+    with pytest.raises(ValueError, match="has no monitors, so no batch size to set"):
         opt.set_local_batch_size(8)
     for wrap in (optimizers.SynchronousAveragingOptimizer, optimizers.PairAveragingOptimizer):
         other = wrap(keras.optimizers.SGD(), monitor=["variance"], monitor_interval=2)
@@ -128,6 +160,18 @@ def test_monitor_callback_puts_values_into_history(tmp_path):
     tags = [(v.tag, e.step) for path in events
             for e in tf.compat.v1.train.summary_iterator(path) for v in e.summary.value]
     assert ("kungfu/gns", 0) in tags and ("kungfu/step_time", 1) in tags, tags
+
+
+def test_monitor_callback_without_monitors_fails_before_the_first_step(monkeypatch):
+    monkeypatch.setattr(kungfu.monitor, "_registry", [])  # no other optimizer's monitors to fall back on
+    model, x, y = model_and_data()
+    opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.05))
+    model.compile(optimizer=opt, loss="mse")
+    for callback, words in ((callbacks.MonitorCallback(), "the model's optimizer 'sgd.*' has no monitors"),
+                            (callbacks.MonitorCallback(optimizer=opt), "has no monitors")):
+        with pytest.raises(ValueError, match="MonitorCallback: .*" + words):
+            model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[callback])
+        assert int(opt.iterations.numpy()) == 0  # not a step was lost
 
 
 def test_collective_stats_on_one_worker():

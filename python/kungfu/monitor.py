@@ -64,25 +64,39 @@ def check_alpha(alpha):
     return float(alpha)
 
 
-def check_arguments(monitor, interval, local_batch_size, alpha=DEFAULT_ALPHA):
-    """Validates the wrapper's monitor arguments; returns (names, interval). Raises ValueError."""
-    check_alpha(alpha)
+def _check_names(monitor):
+    """monitor= as a tuple of names: None (no monitors), one name, or a list, tuple or set of names."""
     if monitor is None:
-        names = ()
-    else:
-        names = (monitor,) if isinstance(monitor, str) else tuple(monitor)
-        bad = [m for m in names if m not in MONITORS]
-        if bad:
-            raise ValueError(f"unknown monitor(s) {', '.join(map(repr, bad))}; choose from {', '.join(MONITORS)}")
-    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-        raise ValueError(f"monitor_interval must be an int >= 1 (run the monitors every k steps), got {interval!r}")
+        return ()
+    if isinstance(monitor, str):
+        names = (monitor,)
+    elif isinstance(monitor, (list, tuple, set, frozenset)):
+        names = tuple(monitor)
+    else:  # a dict would give its keys, a number nothing at all: refuse both rather than guess
+        raise ValueError(f"the monitors must be given as None, a name, or a list or tuple of names from "
+                         f"{', '.join(MONITORS)} (e.g. [\"gns\", \"variance\"]); got {type(monitor).__name__} "
+                         f"{monitor!r}")
+    bad = [m for m in names if m not in MONITORS]
+    if bad:
+        raise ValueError(f"unknown monitor(s) {', '.join(map(repr, bad))}; choose from {', '.join(MONITORS)}")
+    return names
+
+
+def check_arguments(monitor, interval, local_batch_size, alpha=DEFAULT_ALPHA):
+    """Validates the wrapper's monitor arguments; returns (names, interval as an int). Raises ValueError,
+    whatever the mistake (a wrong type included), naming what is accepted."""
+    check_alpha(alpha)
+    names = _check_names(monitor)
+    if isinstance(interval, bool) or not isinstance(interval, numbers.Integral) or interval < 1:
+        raise ValueError(f"monitor_interval must be an int >= 1 (a Python or numpy integer: run the monitors "
+                         f"every k steps), got {interval!r}")
     if local_batch_size is None:
         if {"gns", "snr"} & set(names):
             raise ValueError("the 'gns' and 'snr' monitors need local_batch_size= (this worker's batch size, "
-                             "an int or a tf.Variable)")
+                             "a number or a tf.Variable)")
     elif not isinstance(local_batch_size, tf.Variable):
         _check_batch(local_batch_size)
-    return names, interval
+    return names, int(interval)
 
 
 def when(cond, fn):
@@ -163,6 +177,12 @@ class Monitors:
         return int(self.updates.numpy())
 
     def set_local_batch_size(self, n):
+        if not self.has_batch:
+            raise ValueError(
+                f"the monitors of {self.name!r} were made without local_batch_size, so there is none to set: "
+                "pass local_batch_size= (this worker's batch size; a tf.Variable if it will change) when "
+                "wrapping the optimizer. It cannot be added later because the training step is traced "
+                "without it (no samples_per_sec), and an assignment does not retrace the step")
         return self.batch.assign(tf.cast(_check_batch(n), self.batch.dtype))
 
     def read(self, field):

@@ -32,7 +32,7 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     argument) exchanges once per update, every N steps, unless monitors are on (docs/training.md).
     monitor: None or a list from "gns", "variance", "snr", computed in S-SGD steps every
     monitor_interval steps; read them with kungfu.monitor.latest(). local_batch_size: this worker's
-    batch size (an int, or a tf.Variable to follow; or .set_local_batch_size(n) later), needed by
+    batch size (an int, or a tf.Variable to follow; change it later with .set_local_batch_size(n)), needed by
     "gns" and "snr", and for samples_per_sec. monitor_alpha: the EMA weight of a new gradient noise
     scale estimate, in (0, 1] (smaller: smoother, slower to follow). See docs/monitoring.md.
     policies: None or a list of compilable kungfu.policies, compiled into every step after the update

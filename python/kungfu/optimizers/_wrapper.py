@@ -135,10 +135,10 @@ class DistributedMixin:
     def set_local_batch_size(self, n):
         """Tells the monitors this worker's new batch size, from the next step on; no retrace."""
         m = self._kungfu.monitors
-        if m is None or not m.has_batch:
-            raise ValueError(f"{self.name} has no monitors with a batch size; pass monitor=[...] and "
+        if m is None:
+            raise ValueError(f"{self.name} has no monitors, so no batch size to set; pass monitor=[...] and "
                              "local_batch_size= to DistributedOptimizer")
-        return m.set_local_batch_size(n)
+        return m.set_local_batch_size(n)  # ValueError when the monitors were made without a batch size
 
     def build(self, variables):
         super().build(variables)
