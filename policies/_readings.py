@@ -49,9 +49,10 @@ def reading(ctx, name, policy):
     """A reading the policy cannot work without; ValueError naming the fix when the runner lacks it."""
     value = getattr(ctx, name)
     if value is None:
-        raise ValueError(f"{policy!r} needs ctx.{name}, which the runner does not know: run it under "
-                         f"kungfu.PolicyRunner or kungfu.keras.PolicyCallback with an adaptive dataset "
-                         f"(or set {name} in the Context you built)")
+        raise ValueError(f"{policy!r} needs ctx.{name}, which the runner does not know: give it the adaptive "
+                         f"dataset (dataset=ds on kungfu.PolicyRunner or kungfu.keras.PolicyCallback, or, "
+                         f"compiled into the step, on kungfu.rewrite or the kungfu optimizer), or set {name} "
+                         f"in the Context you built")
     return value
 
 

@@ -8,7 +8,9 @@
 Readings (attributes): step, epoch, samples_seen, batch_size (global), local_batch_size,
 learning_rate, strategy ("ssgd", "sma" or "pair_averaging"), cluster_size, metrics (a dict: the
 latest monitor values "gns", "grad_variance", "snr", "samples_per_sec", "step_time", and the step's
-logs such as "loss"; a value not known is missing or None). A reading not known to the runner is None.
+logs such as "loss"; a value not known is missing or None), resumed (True from before_train to the first
+step of a run that resumes training: the optimizer had taken ctx.step steps already, e.g. restored from a
+checkpoint). A reading not known to the runner is None.
 
 Actions: set_batch_size(n), set_learning_rate(lr), set_strategy(name), stop(). Each takes
 when= (default True): the action happens only if it is true, which lets a compilable policy act
@@ -134,7 +136,7 @@ class Context:
     math = PyMath
 
     def __init__(self, *, step=0, epoch=0, samples_seen=None, batch_size=None, local_batch_size=None,
-                 learning_rate=None, strategy=None, cluster_size=1, metrics=None, hook=None):
+                 learning_rate=None, strategy=None, cluster_size=1, metrics=None, hook=None, resumed=False):
         self.step = step
         self.epoch = epoch
         self.samples_seen = samples_seen
@@ -147,6 +149,7 @@ class Context:
         self.cluster_size = cluster_size
         self.metrics = dict(metrics or {})
         self.hook = hook  # the hook being called ("after_step", ...), for messages
+        self.resumed = resumed  # a resumed run's hooks before its first step (its policies may catch up)
         self.changes = {}  # what the policies decided: batch_size, learning_rate, strategy, stop
         self.stopped = False
 

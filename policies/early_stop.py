@@ -6,12 +6,14 @@ Like keras.callbacks.EarlyStopping, but as a policy: the runner stops every work
 (the decision is agreed like any other), which a per-worker Keras callback cannot promise.
 """
 
+import logging
 import math as _math
 
 from . import _readings as rd
 from .base import BasePolicy
 
 MODES = ("min", "max")
+_log = logging.getLogger("kungfu.policies")
 
 
 class EarlyStopOnPlateau(BasePolicy):
@@ -23,9 +25,11 @@ class EarlyStopOnPlateau(BasePolicy):
         patience: epochs without improvement before stopping. Default 5.
         min_delta: the least change that counts as an improvement. Default 0.
         mode: "min" (lower is better, the default) or "max" (higher is better, e.g. accuracy).
-    A missing metric raises ValueError naming the metrics there are; a NaN or inf counts as no
-    improvement.
+    A missing metric raises ValueError naming the metrics there are, except a "val_" metric in an epoch
+    without validation (fit's validation_freq), which is skipped; a NaN or inf counts as no improvement.
     """
+
+    not_compilable_because = "it acts at the end of epochs, which run in Python only"
 
     def __init__(self, metric="loss", patience=5, min_delta=0.0, mode="min"):
         who = "early_stop"
@@ -39,12 +43,23 @@ class EarlyStopOnPlateau(BasePolicy):
         self.mode = mode
         self.best = None  # the best value so far, None before the first epoch
         self.wait = 0  # epochs since the last improvement
+        self._warned = False  # said that an epoch had no validation
 
     def before_train(self, ctx):
-        self.best, self.wait = None, 0
+        self.best, self.wait, self._warned = None, 0, False
 
     def after_epoch(self, ctx):
         value = (ctx.metrics or {}).get(self.metric)
+        if value is None and self.metric.startswith("val_") and not any(
+                k.startswith("val_") for k in (ctx.metrics or {})):
+            # No validation this epoch (fit's validation_freq > 1, say): like Keras's EarlyStopping, skip it,
+            # and say so once a run, for a fit that never validates.
+            if not self._warned:
+                self._warned = True
+                _log.warning("early_stop: epoch %s has no validation metrics, so no %r (there are: %s); it waits "
+                             "for an epoch with validation (pass validation_data to fit, or metric= one of these)",
+                             ctx.epoch, self.metric, ", ".join(sorted(ctx.metrics or {})) or "none")
+            return
         if value is None:
             have = ", ".join(sorted(ctx.metrics or {})) or "none"
             raise ValueError(f"early_stop: the metric {self.metric!r} is not in this epoch's metrics "

@@ -21,10 +21,14 @@ applied by before_train, a Python hook.
 by="epoch": entry e is applied in before_epoch when ctx.epoch == e (epochs count from 0), so it
 governs epoch e and on. Python-only: epoch hooks do not compile.
 
-Entries apply exactly at their key: a run that resumes past a key does not apply it.
+Resuming (the runner reads ctx.resumed: the optimizer had taken steps before this run, e.g. restored
+from a checkpoint): in before_train (by="step") or the run's first before_epoch (by="epoch"), it applies
+what its entries up to that step or epoch set, merged in key order, so the run goes on with the settings
+it had (the batch size, say, which no checkpoint holds). Otherwise entries apply exactly at their key.
 """
 
 import math as _math
+import numbers
 
 from . import _readings as rd
 from .base import BasePolicy
@@ -46,7 +50,8 @@ def _check_value(field, value, where):
 
 
 def _check_entry(key, entry, by):
-    if isinstance(key, bool) or not isinstance(key, int) or key < 0:
+    if isinstance(key, bool) or not isinstance(key, numbers.Real) or not _math.isfinite(key) \
+            or key != int(key) or key < 0:
         raise ValueError(f"scheduled: every key must be a whole number of {by}s >= 0, got {key!r}")
     where = f"entry {key}"
     if not isinstance(entry, dict):
@@ -82,7 +87,8 @@ def parse_spec(text):
                 raise ValueError(f"scheduled: entry {key}: cannot read {item!r}; write name=value")
             if name in entry:
                 raise ValueError(f"scheduled: entry {key}: {name} is given twice")
-            entry[name] = value if name == "strategy" else _number(value, key, name)
+            entry[name] = (int(value) if value.isdigit() else value) if name == "strategy" \
+                else _number(value, key, name)
         spec[key] = entry
     return spec
 
@@ -118,22 +124,35 @@ class ScheduledPolicy(BasePolicy):
         if not spec:
             raise ValueError("scheduled: the spec is empty; give at least one entry, e.g. {500: {'batch_size': 256}}")
         self.by = by
-        self.spec = {k: _check_entry(k, spec[k], by) for k in sorted(spec, key=_sort_key)}
+        checked = {}
+        for k in sorted(spec, key=_sort_key):
+            entry = _check_entry(k, spec[k], by)
+            if int(k) in checked:
+                raise ValueError(f"scheduled: key {int(k)} appears twice in the spec; merge its settings")
+            checked[int(k)] = entry
+        self.spec = checked
         self.compilable = by == "step"
+        if by == "epoch":
+            self.not_compilable_because = 'by="epoch" (epoch hooks run in Python only; by="step" compiles)'
         nonzero = [k for k in self.spec if k > 0]
         self.interval = _gcd(nonzero) if by == "step" and nonzero else 1
 
     def due(self, hook, step):
         # Called only where an entry applies: every other call would cost two collectives for nothing.
-        if hook == "before_train":
-            return self.by == "step" and 0 in self.spec and step == 0
+        if hook == "before_train":  # entry 0, or a resumed run's catching up (past step 0)
+            return self.by == "step" and (0 in self.spec or step > 0)
         if hook == "after_step":
             return self.by == "step" and step > 0 and step in self.spec
         return hook == "before_epoch" and self.by == "epoch"
 
     def before_train(self, ctx):
-        if self.by == "step" and 0 in self.spec and ctx.step == 0:  # not again when a later fit goes on
-            _apply(ctx, self.spec[0], True)
+        if self.by != "step":
+            return
+        if ctx.step == 0:
+            if 0 in self.spec:
+                _apply(ctx, self.spec[0], True)
+        elif getattr(ctx, "resumed", False):  # not when a later fit of the same run goes on
+            _apply(ctx, self.settings_at(ctx.step), True)
 
     def after_step(self, ctx):
         if self.by != "step":
@@ -143,8 +162,20 @@ class ScheduledPolicy(BasePolicy):
                 _apply(ctx, entry, ctx.math.abs(ctx.step - key) < 0.5)
 
     def before_epoch(self, ctx):
-        if self.by == "epoch" and ctx.epoch in self.spec:
+        if self.by != "epoch":
+            return
+        if getattr(ctx, "resumed", False):
+            _apply(ctx, self.settings_at(ctx.epoch), True)
+        elif ctx.epoch in self.spec:
             _apply(ctx, self.spec[ctx.epoch], True)
+
+    def settings_at(self, key):
+        """The settings the entries up to key (a step or an epoch) make, merged in key order."""
+        merged = {}
+        for k, entry in self.spec.items():
+            if k <= key:
+                merged.update(entry)
+        return merged
 
     def __repr__(self):
         return f"scheduled({self.spec!r}, by={self.by!r})"
@@ -160,7 +191,8 @@ def _apply(ctx, entry, when):
 
 
 def _sort_key(key):
-    return (0, key) if isinstance(key, int) and not isinstance(key, bool) else (1, repr(key))
+    ok = isinstance(key, numbers.Real) and not isinstance(key, bool) and _math.isfinite(key)
+    return (0, float(key)) if ok else (1, repr(key))
 
 
 def _gcd(keys):

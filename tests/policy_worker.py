@@ -281,6 +281,79 @@ def compiled_policies_meet_when_keras_names_the_optimizers_differently():
     assert mean[0] > 0, mean
 
 
+class EpochSeen(BasePolicy):
+    """Compilable; remembers ctx.epoch, which compiled reads the dataset's epoch and as a hook fit's."""
+
+    compilable = True
+
+    def after_step(self, ctx):
+        ctx.state(self, epoch=-1.0).update(epoch=ctx.epoch)
+
+
+def a_resumed_run_goes_on_from_its_step_and_epoch():
+    """Saved after 4 steps (1 epoch), loaded, trained on with fresh policies and dataset: the schedule's
+    step count goes on from the optimizer's (rank 0's: in the hook run only rank 0 loads, the others get
+    its state from the broadcast callback), the run starts with the settings of step 4 (the batch size
+    included, which the file lacks), later entries land at their steps, and a compiled policy reads the
+    epoch fit resumes at."""
+    import os
+
+    n = kungfu.size()
+    x, y = data(24 * n)
+    path = f"/tmp/kungfu_policy_resume_{os.getppid()}.keras"  # kfrun is every worker's parent
+    spec = {0: {"batch_size": 4 * n, "learning_rate": 0.1}, 2: {"batch_size": 8 * n, "learning_rate": 0.05},
+            4: {"strategy": "sma"}, 5: {"learning_rate": 0.02}}
+    try:
+        for compiled in (False, True):
+            ds = kungfu.data.AdaptiveDataset((x, y), global_batch_size=4 * n, seed=3)
+            policies = [kp.scheduled(spec), EpochSeen()]
+            if compiled:
+                opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.3), policies=policies, dataset=ds)
+                callbacks = [ds.keras_callback()]
+            else:
+                opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.3))
+                callbacks = [kungfu.keras.PolicyCallback(policies, dataset=ds), ds.keras_callback()]
+            model = compiled_model(opt)
+            model.fit(ds.as_dataset(), epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+            assert int(opt.iterations.numpy()) == 4, int(opt.iterations.numpy())  # 2 steps of 4n, 2 of 8n
+            if kungfu.rank() == 0:
+                model.save(path)
+            kungfu.barrier()
+
+            ds = kungfu.data.AdaptiveDataset((x, y), global_batch_size=4 * n, seed=3)  # at its own 4n again
+            policies = [kp.scheduled(spec), EpochSeen()]
+            if compiled:
+                model = kungfu.keras.load_model(path, policies=policies, dataset=ds)
+                callbacks = [ds.keras_callback()]
+            else:
+                model = (kungfu.keras.load_model(path) if kungfu.rank() == 0 else
+                         compiled_model(optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.3))))
+                callbacks = [kungfu.keras.callbacks.BroadcastGlobalVariablesCallback(0),
+                             kungfu.keras.PolicyCallback(policies, dataset=ds), ds.keras_callback()]
+            opt, rows = model.optimizer, []
+
+            class Record(keras.callbacks.Callback):
+                def on_train_batch_begin(self, batch, logs=None):
+                    rows.append([float(opt.learning_rate.numpy())])
+
+                def on_train_batch_end(self, batch, logs=None):  # (compiled, the catch-up runs in the first
+                    rows[-1] += [float(opt.strategy_variable.numpy()), ds.local_batch_size,  # step's trace)
+                                 float(state_values(policies[1])["epoch"])]
+
+            model.fit(ds.as_dataset(), initial_epoch=1, epochs=2, shuffle=False, verbose=0,
+                      callbacks=callbacks + [Record()])
+            got = same_everywhere(rows, f"lr before; strategy, local batch, epoch after each step (compiled "
+                                        f"{compiled})")
+            # step 5 with step 4's settings (lr 0.05, sma, 8 rows), then entry 5's lr; epoch 1 throughout
+            want = [[0.05, 1, 8, 1], [0.02, 1, 8, 1], [0.02, 1, 8, 1]]
+            assert got.shape == (3, 4) and np.allclose(got, want), (compiled, got.tolist())
+            assert int(opt.iterations.numpy()) == 7
+    finally:
+        kungfu.barrier()
+        if kungfu.rank() == 0 and os.path.exists(path):
+            os.remove(path)
+
+
 def main():
     kungfu.init()
     checks = [strategy_and_learning_rate_change_at_the_same_step,
@@ -290,7 +363,8 @@ def main():
               batch_size_change_lands_at_the_same_step_in_fit,
               compiled_gns_policy_decides_as_the_python_hook,
               policies_compiled_into_the_optimizer_act_at_the_same_step,
-              compiled_policies_meet_when_keras_names_the_optimizers_differently]
+              compiled_policies_meet_when_keras_names_the_optimizers_differently,
+              a_resumed_run_goes_on_from_its_step_and_epoch]
     mp.run_checks(checks, kungfu.rank())
 
 

@@ -48,6 +48,17 @@ def test_each_epoch_is_a_seeded_permutation_seen_once():
     assert x.numpy().tolist() == epochs[0][0] and (y.numpy() == x.numpy() * 10).all()  # same seed, same order
 
 
+def test_a_resumed_run_starts_at_its_epoch_before_the_first_batch_only():
+    ds = kungfu.data.AdaptiveDataset(indexed(), global_batch_size=5, seed=SEED)
+    assert ds.start_at_epoch(2) and ds.epoch == 2
+    assert sum(epoch_batches(ds), []) == np.random.default_rng([SEED, 2]).permutation(N).tolist()  # epoch 2's
+    assert (ds.epoch, int(ds.epoch_variable.numpy())) == (3, 3)
+    assert not ds.start_at_epoch(0) and ds.epoch == 3  # a pass has begun: nothing changes
+    for bad in (-1, 1.5, True, "2"):
+        with pytest.raises(ValueError, match="the epoch must be a whole number >= 0"):
+            kungfu.data.AdaptiveDataset(indexed(), global_batch_size=5).start_at_epoch(bad)
+
+
 def test_shuffle_false_keeps_the_order():
     ds = kungfu.data.AdaptiveDataset(indexed(), global_batch_size=10, shuffle=False)
     assert epoch_batches(ds) == [list(range(10)), list(range(10, 20)), [20, 21, 22]]

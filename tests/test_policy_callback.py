@@ -69,6 +69,20 @@ def test_policy_callback_given_to_later_fits_goes_on_counting_and_forgets_the_st
     assert [e for h, s, e in recorder.calls if h == "before_epoch"][-1] == 1
 
 
+def test_policy_callback_given_to_another_model_controls_that_model_and_starts_over():
+    """A callbacks list reused across models (k-fold): each fit's model's optimizer is the one changed, the
+    counts start from its steps, and the policies' memory (HalveLrOnce's "done") is cleared."""
+    cb = kungfu.keras.PolicyCallback([HalveLrOnce(at=2, interval=1)])
+    opts = []
+    for fold in range(2):
+        model, x, y = model_and_data(seed=fold)
+        opts.append(optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1)))
+        model.compile(optimizer=opts[-1], loss="mse")
+        model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[cb])
+        assert cb.runner.controls.optimizer is opts[-1] and cb.runner.step == 4
+    assert [float(o.learning_rate.numpy()) for o in opts] == pytest.approx([0.05, 0.05])
+
+
 def test_policy_callback_stops_fit_for_a_policy_compiled_into_the_optimizer():
     model, x, y = model_and_data()
     opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1),

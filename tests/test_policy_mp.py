@@ -22,7 +22,8 @@ CHECKS = ["strategy_and_learning_rate_change_at_the_same_step",
           "batch_size_change_lands_at_the_same_step_in_fit",
           "compiled_gns_policy_decides_as_the_python_hook",
           "policies_compiled_into_the_optimizer_act_at_the_same_step",
-          "compiled_policies_meet_when_keras_names_the_optimizers_differently"]
+          "compiled_policies_meet_when_keras_names_the_optimizers_differently",
+          "a_resumed_run_goes_on_from_its_step_and_epoch"]
 
 
 @pytest.mark.parametrize("np_", [2, 4])

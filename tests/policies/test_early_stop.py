@@ -35,8 +35,29 @@ def test_state_resets_at_before_train():
 
 
 def test_missing_metric_names_the_ones_there_are():
-    with pytest.raises(ValueError, match=r"'val_loss' is not in this epoch's metrics \(there are: accuracy, loss\)"):
-        early_stop("val_loss").after_epoch(Context(metrics={"loss": 1.0, "accuracy": 0.5}))
+    with pytest.raises(ValueError, match=r"'val_acc' is not in this epoch's metrics \(there are: loss, val_loss\)"):
+        early_stop("val_acc").after_epoch(Context(metrics={"loss": 1.0, "val_loss": 0.5}))
+    with pytest.raises(ValueError, match=r"'accuracy' is not in this epoch's metrics \(there are: loss\)"):
+        early_stop("accuracy").after_epoch(Context(metrics={"loss": 1.0}))
+
+
+def test_an_epoch_without_validation_is_skipped_with_one_warning(caplog):
+    # fit(validation_freq=2): val_loss only every other epoch; the epochs without it neither count nor raise
+    p = early_stop("val_loss", patience=2)
+    p.before_train(Context())
+    seen = [{"loss": 1.0}, {"loss": 0.9, "val_loss": 1.0}, {"loss": 0.8}, {"loss": 0.7, "val_loss": 1.1},
+            {"loss": 0.6}, {"loss": 0.5, "val_loss": 1.2}]
+    stopped = None
+    with caplog.at_level("WARNING", logger="kungfu.policies"):
+        for epoch, metrics in enumerate(seen):
+            c = Context(epoch=epoch, metrics=metrics)
+            p.after_epoch(c)
+            if c.stopped:
+                stopped = epoch
+                break
+    assert stopped == 5  # two validated epochs (3 and 5) without improvement on epoch 1's
+    said = [r.getMessage() for r in caplog.records if "no validation metrics" in r.getMessage()]
+    assert len(said) == 1 and "epoch 0" in said[0], said
 
 
 @pytest.mark.parametrize("kwargs,match", [

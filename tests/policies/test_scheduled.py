@@ -29,8 +29,8 @@ def test_called_only_where_an_entry_applies():
     assert [s for s in range(1, 3000) if p.due("after_step", s)] == [500, 2000]
     assert p.due("before_train", 0) and not p.due("before_epoch", 0) and not p.due("before_step", 500)
     later = Context(step=700, batch_size=256, learning_rate=0.1)
-    assert not p.due("before_train", 700)  # a runner that goes on counting (a second fit)
-    p.before_train(later)
+    assert p.due("before_train", 700)  # once a run: a resumed one catches up there
+    p.before_train(later)  # a runner that goes on counting (a second fit), not resumed
     assert later.changes == {}  # does not go back to entry 0
     by_epoch = scheduled({0: {"learning_rate": 0.1}, 3: {"learning_rate": 0.01}}, by="epoch")
     assert by_epoch.due("before_epoch", 40) and not by_epoch.due("after_step", 3)
@@ -95,3 +95,36 @@ def test_by_must_be_step_or_epoch():
         scheduled({1: {"batch_size": 8}}, by="batch")
     with pytest.raises(ValueError, match="whole number of epochs"):
         scheduled({-2: {"batch_size": 8}}, by="epoch")
+
+
+def test_a_resumed_run_goes_on_with_the_settings_of_its_step_or_epoch():
+    """A run restored from a checkpoint (ctx.resumed, the step past 0) gets what the entries up to its step
+    set, merged: the batch size (no checkpoint holds it) and the rest, not entry 0's values again."""
+    p = scheduled("0: batch_size=32 learning_rate=0.1; 6: batch_size=64 learning_rate=0.05; 10: strategy=1")
+    for step, want in [(3, {"batch_size": 32, "learning_rate": 0.1}),
+                       (6, {"batch_size": 64, "learning_rate": 0.05}),
+                       (11, {"batch_size": 64, "learning_rate": 0.05, "strategy": "sma"})]:
+        c = Context(step=step, batch_size=16, cluster_size=2, learning_rate=0.5, strategy="ssgd", resumed=True)
+        assert p.due("before_train", step)
+        p.before_train(c)
+        assert c.changes == want, (step, c.changes)
+    # then the entries after it apply at their keys as usual
+    log, _ = simulate(python_caller([p]), 12, lambda step, batch: {})
+    assert log[10] == {"strategy": "sma"}
+    by_epoch = scheduled({0: {"learning_rate": 0.1}, 3: {"batch_size": 128}, 5: {"learning_rate": 0.01}}, by="epoch")
+    c = Context(epoch=4, step=40, batch_size=16, learning_rate=0.5, resumed=True)
+    by_epoch.before_epoch(c)
+    assert c.changes == {"learning_rate": 0.1, "batch_size": 128}
+    c = Context(epoch=4, step=40, batch_size=16, learning_rate=0.5)
+    by_epoch.before_epoch(c)
+    assert c.changes == {}
+
+
+def test_keys_may_be_any_whole_number_and_the_string_strategy_an_index():
+    import numpy as np
+
+    p = scheduled({np.int64(10): {"batch_size": 64}, 5.0: {"learning_rate": 0.1}, 0: {"strategy": "sma"}})
+    assert list(p.spec) == [0, 5, 10] and all(type(k) is int for k in p.spec) and p.interval == 5
+    assert scheduled("3: strategy=2").spec == scheduled({3: {"strategy": "pair_averaging"}}).spec
+    with pytest.raises(ValueError, match="every key must be a whole number of steps >= 0, got 2.5"):
+        scheduled({2.5: {"batch_size": 64}})

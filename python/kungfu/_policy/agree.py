@@ -9,6 +9,7 @@ Two small eager collectives per hook call that has a due policy (none otherwise,
      worker applies rank 0's decisions (a policy with a private random state or local input still
      cannot make the workers diverge).
 Keys are fixed per runner and hook; the engine matches the n-th call of a key on every worker.
+Once per runner, at its first before_train, start_step agrees on where the step count starts.
 """
 
 import json
@@ -68,3 +69,18 @@ def exchange(outcome, key):
     if len(outcomes) != _lib.size():
         raise PolicyError(f"policy runner: expected {_lib.size()} outcomes from the workers, got {len(outcomes)}")
     return outcomes
+
+
+def start_step(optimizer, key):
+    """The steps the optimizer has taken (its `iterations`: a run that resumes from a checkpoint starts past
+    0), rank 0's value on every worker (one broadcast): where only rank 0 restored and a broadcast callback
+    has yet to copy its state, the others still read 0. 0 without an optimizer that counts its steps."""
+    iterations = getattr(optimizer, "iterations", None) if optimizer is not None else None
+    mine = 0 if iterations is None else int(np.asarray(iterations))
+    if _lib.size() == 1:
+        return mine
+    import tensorflow as tf
+
+    from ..ops import broadcast
+
+    return int(broadcast(tf.constant(mine, tf.int64), root=0, name=key).numpy())

@@ -199,6 +199,7 @@ class GraphContext:
         c = compiled.controls
         self._compiled, self._controls = compiled, c
         self.hook = "after_step"
+        self.resumed = False  # read by before-step hooks only, which run as Python hooks
         self.step = tf.cast(step, F)
         self.cluster_size = _lib.size()
         self.batch_size = self._batch()
@@ -309,9 +310,9 @@ class CompiledPolicies:
         self.policies = base.check_policies(policies, who)
         for p in self.policies:
             if not p.compilable:
-                raise ValueError(f"{who}: policy {p.name} is not compilable into the graph (its compilable "
-                                 "is False); run it as a Python hook with kungfu.PolicyRunner or "
-                                 "kungfu.keras.PolicyCallback")
+                why = getattr(p, "not_compilable_because", "its compilable is False")
+                raise ValueError(f"{who}: policy {p.name} is not compilable into the graph ({why}); run it as "
+                                 "a Python hook with kungfu.PolicyRunner or kungfu.keras.PolicyCallback")
         self.controls = controls
         with _lock:
             self.name = f"{label}/{_instances[label]}"
@@ -324,14 +325,16 @@ class CompiledPolicies:
 
     def start(self):
         """Runs the policies' before_train hooks once, as Python hooks (a schedule's entry 0, say): the
-        step's graph has no "before training"; kungfu.rewrite's step calls this at its first call."""
-        self.started = True
-        if any(base.due(p, "before_train", 0) for p in self.policies):
-            from .runner import PolicyRunner
+        step's graph has no "before training"; kungfu.rewrite's step calls this at its first call. The step
+        count starts where the Python runner's does: at the optimizer's iterations (a resumed run)."""
+        from .runner import PolicyRunner
 
-            c = self.controls
-            PolicyRunner(self.policies, optimizer=c.optimizer, dataset=c.dataset, monitors=c.monitors,
-                         batch_size=c.fixed_batch_size, name=f"{self.name}/start").before_train()
+        self.started = True
+        c = self.controls
+        runner = PolicyRunner(self.policies, optimizer=c.optimizer, dataset=c.dataset, monitors=c.monitors,
+                              batch_size=c.fixed_batch_size, name=f"{self.name}/start")
+        runner.before_train()
+        self.step.assign(runner.step)
 
     def state_variables(self, policy, initial):
         i = next(j for j, p in enumerate(self.policies) if p is policy)

@@ -18,6 +18,11 @@
 kungfu.keras.PolicyCallback drives the same runner from model.fit's callbacks. In this loop the batch is
 pulled before before_step(), so a batch size a policy sets there applies from the next batch.
 
+Resuming: the step count starts at the optimizer's `iterations` (rank 0's), so a run restored from a
+checkpoint goes on from the step it was saved at, as Keras's learning-rate schedules do; its hooks up to its
+first step see ctx.resumed, and a schedule applies there the settings its entries up to that step give.
+With dataset=, before_epoch(epoch) of a dataset that has not begun a pass starts it at that epoch.
+
 Each hook call: the policies due (BasePolicy.due: overridden hook, step hooks every `interval` steps) run in
 order on one Context (policies/context.py), whose readings come from the Controls and whose metrics are
 the monitors' latest values plus the logs passed in, local ones averaged over the workers; then the
@@ -77,17 +82,28 @@ class PolicyRunner:
         self.samples_seen = 0
         self.stopped = False
         self.history = []
+        self.resumed = False  # this run resumed training: the optimizer had taken steps before the first run
+        self._started = False  # before_train has run once
         self._key = f"kungfu/policy/{name if name is not None else next(_ids)}"
 
     def before_train(self, logs=None):
-        """Starts a training run: a stop asked for in an earlier run is forgotten (steps and epochs go on)."""
+        """Starts a training run: a stop asked for in an earlier run is forgotten (steps and epochs go on).
+        The first run starts counting steps at the optimizer's `iterations` (past 0 when resumed)."""
         self.stopped = False
+        if not self._started:
+            _lib.require_init("PolicyRunner.before_train")
+            self._started = True
+            start = agree.start_step(self.controls.optimizer, f"{self._key}/start")
+            if start > 0:
+                self.step, self.resumed = start, True
         self._run("before_train", logs)
 
     def before_epoch(self, epoch=None, logs=None):
         """epoch: its index (Keras passes it); by default the runner's own count, from 0."""
         if epoch is not None:
             self.epoch = int(epoch)
+            if self.controls.dataset is not None:
+                self.controls.dataset.start_at_epoch(self.epoch)  # no-op once it has begun a pass
         self._run("before_epoch", logs)
 
     def before_step(self, logs=None):
@@ -96,6 +112,7 @@ class PolicyRunner:
     def after_step(self, logs=None, **metrics):
         """After each step; logs (a dict) and metrics (e.g. loss=loss) join ctx.metrics."""
         self.step += 1
+        self.resumed = False
         batch = self.controls.batch_size()
         if self.controls.dataset is None and batch is not None:
             self.samples_seen += batch
@@ -149,7 +166,7 @@ class PolicyRunner:
         samples = int(c.dataset.samples_seen) if c.dataset is not None else self.samples_seen
         return Context(step=self.step, epoch=self.epoch, samples_seen=samples, batch_size=batch,
                        learning_rate=c.learning_rate(), strategy=c.strategy(), cluster_size=c.cluster_size(),
-                       metrics=metrics, hook=hook)
+                       metrics=metrics, hook=hook, resumed=self.resumed)
 
     def _apply(self, hook, changes, before):
         if not changes:

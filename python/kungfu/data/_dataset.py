@@ -98,7 +98,8 @@ class AdaptiveDataset:
 
     @property
     def epoch(self):
-        """Epochs started: 0 before the first batch, 1 from the first batch of the first epoch on."""
+        """Epochs started: 0 before the first batch, 1 from the first batch of the first epoch on (counting
+        from the epoch given to start_at_epoch, when a resumed run gave one)."""
         with self._lock:
             return self._epochs
 
@@ -155,6 +156,20 @@ class AdaptiveDataset:
         after = [] if after is None else tf.nest.flatten(after)
         with tf.control_dependencies(checks + _step_inputs() + after):
             return self.batch_size_variable.assign(n)
+
+    def start_at_epoch(self, epoch):
+        """Resuming: makes the first pass epoch `epoch` (0-based; its shuffle order, and the epoch that
+        epoch_variable and policies compiled with this dataset read) when no pass has begun yet; otherwise
+        does nothing. Returns whether it did. ds.keras_callback() and PolicyRunner.before_epoch call it with
+        fit's initial_epoch / the epoch given, so a resumed run goes on with the epochs it left."""
+        if isinstance(epoch, bool) or not isinstance(epoch, (int, np.integer)) or epoch < 0:
+            raise ValueError(f"kungfu.data: the epoch must be a whole number >= 0, got {epoch!r}")
+        with self._lock:
+            if self._pass is not None or self._epochs == int(epoch):
+                return False
+            self._epochs = int(epoch)
+        self.epoch_variable.assign(int(epoch))
+        return True
 
     # ---- the pipeline ----
 

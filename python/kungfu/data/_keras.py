@@ -63,6 +63,7 @@ class EpochCallback(keras.callbacks.ProgbarLogger):
                              "effect at the next step")
 
     def on_epoch_begin(self, epoch, logs=None):
+        self._dataset.start_at_epoch(epoch)  # fit(initial_epoch=e) of a fresh dataset: resume at epoch e
         self.target = len(self._dataset)  # a whole epoch at the current size; on_train_batch_end follows
         super().on_epoch_begin(epoch, logs)
 

@@ -23,7 +23,9 @@ class PolicyCallback(keras.callbacks.Callback):
     It also stops model.fit when a policy compiled into the optimizer (DistributedOptimizer(...,
     policies=[...])) calls ctx.stop(): add PolicyCallback([]) to fit's callbacks for that alone.
     Given to a later fit, it goes on counting steps and epochs (a fit that starts again from epoch 0
-    continues from the epochs done), and a stop asked for in an earlier fit is forgotten.
+    continues from the epochs done), and a stop asked for in an earlier fit is forgotten; given to fit of
+    another model (without optimizer=), it starts over with that model's optimizer. Counting starts at the
+    optimizer's iterations, so a model restored from a checkpoint goes on from its step (ctx.resumed).
     .runner is the kungfu.PolicyRunner doing the work (its .history and summary() tell what changed).
     Batch-end hooks are overridden, so Keras dispatches steps synchronously (the callback needs the logs).
     The model must be compiled with steps_per_execution=1 (the default); fit raises ValueError otherwise.
@@ -47,6 +49,14 @@ class PolicyCallback(keras.callbacks.Callback):
             self.runner = PolicyRunner(a.pop("policies"), **a)
         return self.runner
 
+    def _start_over(self):
+        """Given to fit of another model (a callbacks list reused, as in k-fold training): that model's
+        optimizer is the one to control, counts start again from its steps, and the policies forget what
+        they kept (their ctx.state memory, e.g. a cooldown counted in the other model's steps)."""
+        for p in self.runner.policies:
+            p.__dict__.pop("_kungfu_state", None)
+        self.runner = None
+
     def _stop_if_asked(self):
         # policy_stopped: a policy compiled into a kungfu optimizer asked (plain optimizers lack it).
         if self.runner.stopped or getattr(self.runner.controls.optimizer, "policy_stopped", False):
@@ -58,6 +68,9 @@ class PolicyCallback(keras.callbacks.Callback):
                              "more, fit calls back only once per group of steps, so the policies would "
                              "count steps wrong and could act only between groups")
         self._epoch_offset = None
+        if (self.runner is not None and self._args["optimizer"] is None
+                and self.runner.controls.optimizer is not getattr(self.model, "optimizer", None)):
+            self._start_over()
         runner = self._runner()
         forget = getattr(runner.controls.optimizer, "_forget_policy_stop", None)
         if forget is not None:
