@@ -29,6 +29,20 @@ print("ENV " + json.dumps({"env": env, "spec": dataclasses.asdict(resolve_cluste
 print("to stderr", file=sys.stderr)
 """
 
+# A daemon, as a worker may start one: in a session of its own (so outside the worker's process group), it
+# forks and its parent exits (so it is an orphan, re-parented), with its stdio on /dev/null. It writes its
+# pid to $PID_DIR/d<rank> and sleeps.
+DAEMON = """
+import os, time
+if os.fork():
+    os._exit(0)
+path = os.path.join(os.environ["PID_DIR"], "d" + os.environ["KUNGFU_RANK"])
+with open(path + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(path + ".tmp", path)
+time.sleep(120)
+"""
+
 # Writes its pid (and a grandchild's) to $PID_DIR, then behaves as argv[1] says for its rank.
 PID_WORKER = """
 import os, signal, subprocess, sys, time
@@ -38,6 +52,12 @@ if mode.startswith("stubborn"):  # its child inherits the ignored signals too; s
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     mode = mode[len("stubborn"):] or "hang"
+if mode.startswith("detach"):  # detachexit0: starts a DAEMON first (stubborndetach...: one that ignores SIGTERM)
+    subprocess.Popen([sys.executable, "-c", DAEMON_CODE], start_new_session=True, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).wait()
+    while not os.path.exists(os.path.join(os.environ["PID_DIR"], "d" + rank)):
+        time.sleep(0.01)
+    mode = mode[len("detach"):] or "hang"
 if mode == "usr1":  # appends a line to $PID_DIR/u<rank> for every SIGUSR1, and runs on
     def on_usr1(signum, frame):
         with open(os.path.join(os.environ["PID_DIR"], "u" + rank), "a") as f:
@@ -57,7 +77,7 @@ if mode.startswith("sig"):  # sig9: killed by signal 9
     os.kill(os.getpid(), int(mode[3:]))
 print("ready", flush=True)
 time.sleep(120)
-"""
+""".replace("DAEMON_CODE", repr(DAEMON))
 
 
 def state(pid):
@@ -87,7 +107,8 @@ def alive(pid):
 
 @pytest.fixture
 def reaper(tmp_path):
-    """Yields (pid_dir, started): kills every kfrun in `started` and every pid in pid_dir at teardown."""
+    """Yields (pid_dir, started): kills every kfrun in `started` and every pid in pid_dir at teardown (files
+    w<rank>: a worker, c<rank>: its child, d<rank>: a daemon it started, s<n>: one that a fake ssh started)."""
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     started = []
@@ -96,7 +117,7 @@ def reaper(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    for f in pid_dir.glob("[wc]*[0-9]"):
+    for f in pid_dir.glob("[wcds]*[0-9]"):
         pid = int(f.read_text())
         for kill in (os.killpg, os.kill):
             try:

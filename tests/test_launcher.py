@@ -21,9 +21,11 @@ from kungfu import _lib
 from kungfu import errors
 from kungfu.launcher import cli
 from kungfu.launcher import hosts
+from kungfu.launcher import orphans
 from kungfu.launcher import plan
 from kungfu.launcher import ssh
-from launcher_util import ENV_WORKER, PID_WORKER, alive, fake_ssh_path, records, run_kfrun, start_kfrun, wait_for_files
+from launcher_util import ENV_WORKER, PID_WORKER, PYTHONPATH, alive, fake_ssh_path, records, run_kfrun, start_kfrun
+from launcher_util import state, wait_for_files, wait_until
 from launcher_util import reaper  # noqa: F401  (a fixture)
 
 
@@ -157,6 +159,58 @@ def test_a_child_left_by_a_worker_that_exited_is_killed_and_named_so(reaper):
     assert "sending SIGKILL to worker(s) 0 (exited; processes it started) (still running)" in err, err
     pids = wait_for_files(pid_dir, ["c0"])
     assert not alive(pids["c0"]), "the child that ignores SIGTERM was left behind"
+
+
+@pytest.mark.parametrize("modes, code", [(["0=detachexit0", "1=exit0"], 0), (["0=detachexit3", "1=detach"], 3)],
+                         ids=["success", "failure"])
+def test_a_daemon_that_a_worker_started_ends_with_the_job(modes, code, reaper):
+    """A worker's child in a session of its own (setsid; a daemon's double fork) is outside the worker's
+    process group and, once its parent exits, an orphan; kfrun, its subreaper, still stops it."""
+    pid_dir, _ = reaper
+    rc, out, err = run_kfrun(["-np", "2", "--grace", "1", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER,
+                              *modes], reaper)
+    assert rc == code, err
+    pids = wait_for_files(pid_dir, [f"d{r}" for r in range(2) if f"{r}=detach" in " ".join(modes)])
+    assert not [n for n, pid in pids.items() if alive(pid)], "daemons left behind"
+    assert "SIGKILL" not in err, err  # they went at SIGTERM
+
+
+def test_a_daemon_that_ignores_sigterm_is_killed_and_named_so(reaper):
+    pid_dir, _ = reaper
+    rc, out, err = run_kfrun(["-np", "1", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER,
+                              "0=stubborndetachexit0"], reaper)
+    assert rc == 0, err
+    pid = wait_for_files(pid_dir, ["d0"])["d0"]
+    assert (f"sending SIGKILL to 1 process the workers started outside their process groups (pid {pid} python"
+            in err), err
+    assert "sending SIGKILL to worker(s) 0 (exited; processes it started)" in err, err  # its child c0
+    assert not alive(pid), "the daemon that ignores SIGTERM was left behind"
+
+
+def test_orphans_that_exit_while_the_job_runs_are_reaped(reaper):
+    """Orphans are re-parented to kfrun: one that exits on its own must not stay a zombie while the job runs."""
+    pid_dir, _ = reaper
+    code = ("import os, subprocess, time\n"
+            "pid = subprocess.run(['sh', '-c', 'sleep 0.3 >/dev/null & echo $!'], stdout=subprocess.PIPE).stdout\n"
+            "path = os.path.join(os.environ['PID_DIR'], 'z0')\nopen(path + '.tmp', 'wb').write(pid)\n"
+            "os.rename(path + '.tmp', path)\ntime.sleep(120)")
+    proc = start_kfrun(["-np", "1", "--kill-after", "1", "--", sys.executable, "-c", code], reaper)
+    pid = wait_for_files(pid_dir, ["z0"])["z0"]
+    wait_until(lambda: state(pid) is None, "the orphan was reaped (not a zombie of kfrun)", timeout=5)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+
+
+def test_restore_subreaper_puts_back_the_previous_setting():
+    """kfrun adopts orphans only while its job runs (kungfu.launcher.run() may be called inside a program)."""
+    previous = orphans.become_subreaper()
+    if previous is None:
+        pytest.skip("no PR_SET_CHILD_SUBREAPER here")
+    orphans.restore_subreaper(previous)
+    assert orphans.become_subreaper() == previous  # what it was before, as restored
+    orphans.restore_subreaper(previous)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -355,6 +409,26 @@ def test_init_errors_name_the_kfrun_flag_that_fixes_them():
     assert str(errors.from_code(14, timeout)) == timeout  # not a timeout: left alone
 
 
+_SAME = "WARNING:kungfu:kungfu.finalize: not every worker reached finalize (why); leaving anyway\n"
+
+
+@pytest.mark.parametrize("setup, expected", [
+    ("", _SAME),  # nothing configured: logging's last resort would print the bare message
+    ("logging.basicConfig()", _SAME),
+    ("from absl import logging as absl_logging\nabsl_logging.info('x')", _SAME),  # absl calls basicConfig()
+    ("logging.basicConfig(format='%(levelname)s|%(message)s')", "WARNING|" + _SAME.split(":", 2)[2]),
+    ("logging.getLogger('kungfu').setLevel(logging.ERROR)", ""),
+], ids=["nothing", "basicConfig", "absl", "own format", "silenced"])
+def test_finalize_warnings_read_the_same_on_every_rank(setup, expected):
+    """A rank where TF, Keras or kungfu.optimizers logged through absl (which configures the root logger)
+    and one where nothing did print kungfu's finalize warning alike; a program's own configuration wins."""
+    code = (f"import logging\n{setup}\nfrom kungfu import _lib\n"
+            "_lib._warn('kungfu.finalize: not every worker reached finalize (%s); leaving anyway', 'why')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, PYTHONPATH=PYTHONPATH))
+    assert (done.returncode, done.stderr) == (0, expected)
+
+
 def test_plan_skips_a_port_in_use():
     import socket
     with socket.socket() as s:
@@ -472,3 +546,22 @@ def test_remote_worker_leaves_no_grandchild(tmp_path, reaper):
     pids = wait_for_files(pid_dir, ["c0", "c1"])
     time.sleep(0.2)
     assert not [n for n, pid in pids.items() if alive(pid)], "remote grandchildren left behind"
+
+
+def test_what_ssh_itself_leaves_running_is_left_alone(tmp_path, reaper):
+    """ssh's ControlPersist master outlives the client on purpose, and may serve the user's other sessions:
+    kfrun does not take it for a stray of the job, although it is re-parented to kfrun."""
+    pid_dir, _ = reaper
+    path = fake_ssh_path(tmp_path)
+    ssh_script = tmp_path / "bin" / "ssh"
+    lines = ssh_script.read_text().split("\n", 1)
+    master = ('( exec setsid sh -c \'echo $$ > "$PID_DIR/t$$"; mv "$PID_DIR/t$$" "$PID_DIR/s$$"; exec sleep 60\' ) '
+              '</dev/null >/dev/null 2>&1 &\n')
+    ssh_script.write_text(lines[0] + "\n" + master + lines[1])
+    rc, out, err = run_kfrun(["-np", "1", "-H", "nohost-a.invalid:1", "-x", "PYTHONPATH", "-x", f"PID_DIR={pid_dir}",
+                              "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER, "0=exit0"], reaper,
+                             {"PATH": path})
+    assert rc == 0, err
+    wait_until(lambda: list(pid_dir.glob("s*")), "the fake ssh's master wrote its pid")
+    masters = list(pid_dir.glob("s*"))
+    assert len(masters) == 1 and alive(int(masters[0].read_text())), "kfrun killed what ssh left running"

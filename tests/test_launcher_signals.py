@@ -30,6 +30,21 @@ def test_signal_to_kfrun_stops_every_process(signum, reaper):
     assert not [n for n, pid in pids.items() if alive(pid)], "processes left behind"
 
 
+def test_a_signal_to_kfrun_also_stops_what_the_workers_detached(reaper):
+    """Daemons the workers started (sessions of their own, so the signal forwarded to a worker's process
+    group misses them) go too: SIGTERM, and SIGKILL --kill-after later for one that ignores it."""
+    pid_dir, _ = reaper
+    proc = start_kfrun(["-np", "2", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER, "0=detach",
+                        "1=stubborndetach"], reaper)
+    pids = wait_for_files(pid_dir, ["w0", "w1", "c0", "c1", "d0", "d1"])
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    said = f"sending SIGKILL to 1 process the workers started outside their process groups (pid {pids['d1']} "
+    assert said in err, err  # d0 went at SIGTERM
+    assert not [n for n, pid in pids.items() if alive(pid)], "processes left behind"
+
+
 def test_signals_are_forwarded_while_output_is_blocked(reaper):
     """Nobody reads kfrun's output here, so its output threads block; SIGINT must still stop the job."""
     pid_dir, _ = reaper

@@ -220,17 +220,38 @@ def _finalize_barrier():
     whole KUNGFU_TIMEOUT, so the barrier is skipped and the worker leaves at once."""
     _library.c.kungfu_finalizing()
     if _library.c.kungfu_timed_out():
-        logging.getLogger("kungfu").warning("kungfu.finalize: a collective of this worker timed out, so a peer has "
-                                            "stalled; leaving without waiting for the others")
+        _warn("kungfu.finalize: a collective of this worker timed out, so a peer has stalled; leaving without "
+              "waiting for the others")
         return False
     one, total = ctypes.c_int32(1), ctypes.c_int32(0)
     err = ctypes.create_string_buffer(_ERR_LEN)
     code = _library.c.kungfu_all_reduce(ctypes.byref(one), ctypes.byref(total), 1, _DTYPE_INT32, _OP_SUM,
                                         b"kungfu/finalize", err, _ERR_LEN)
     if code != 0:
-        logging.getLogger("kungfu").warning("kungfu.finalize: not every worker reached finalize (%s); leaving anyway",
-                                            errors.with_timeout_hint(code, err.value.decode(errors="replace")))
+        _warn("kungfu.finalize: not every worker reached finalize (%s); leaving anyway",
+              errors.with_timeout_hint(code, err.value.decode(errors="replace")))
     return code == 0
+
+
+def _warn(msg, *args):
+    """A warning on the "kungfu" logger that reads the same on every rank.
+
+    Where no handler is configured, logging's last resort prints the bare message; where the root logger
+    has one, it prints in that handler's format, "WARNING:kungfu:..." for logging.basicConfig()'s. Which of
+    the two a rank gets is not up to the user: absl.logging calls basicConfig() on its first message, and
+    TF, Keras and kungfu.optimizers log through absl on some ranks only (rank 0). So when no handler is
+    configured, the warning is printed as basicConfig() would print it, without configuring anything: every
+    rank says "WARNING:kungfu:...", and a program that configures logging gets its own format everywhere."""
+    log = logging.getLogger("kungfu")
+    if log.hasHandlers() or not log.isEnabledFor(logging.WARNING):
+        log.warning(msg, *args, stacklevel=2)
+        return
+    path, line, func, _ = log.findCaller(stacklevel=2)
+    record = log.makeRecord(log.name, logging.WARNING, path, line, msg, args, None, func)
+    if log.filter(record):
+        handler = logging.StreamHandler()  # sys.stderr as it is now, as the last resort writes to
+        handler.setFormatter(logging.Formatter(logging.BASIC_FORMAT))
+        handler.handle(record)
 
 
 def initialized():

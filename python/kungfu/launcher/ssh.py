@@ -13,7 +13,9 @@ two things that plain form cannot:
      to the group: that is how kfrun passes those signals on (ssh cannot carry signals without a tty).
 The worker runs under setsid (when the remote has it) so its whole process group can be signalled.
 Once the worker exits, whatever it left running in that group gets SIGTERM, then SIGKILL, as kfrun
-does for local workers. The worker's exit status becomes ssh's (ssh itself fails with 255).
+does for local workers. What the worker started in a session of its own (setsid, a daemon) is out of
+reach here: sh cannot adopt orphans as kfrun does for local workers (orphans.py); docs/launcher.md says
+so. The worker's exit status becomes ssh's (ssh itself fails with 255).
 """
 
 import re

@@ -19,7 +19,9 @@ Policy:
     to its group), then kfrun itself; SIGCONT (fg, bg) continues them, and the deadlines above are
     moved by the time spent stopped. Remote workers get these through their remote script (ssh.py).
   - Whatever happens, including an exception in kfrun, shutdown() runs: it terminates and then kills
-    every process group still populated, and reaps every worker.
+    every process group still populated and every other process the local workers started (kfrun is
+    their child subreaper, so those that left their group, e.g. under setsid, stay its descendants:
+    orphans.py), and reaps every worker and every such process re-parented to kfrun.
 """
 
 import os
@@ -28,11 +30,13 @@ import signal
 import threading
 import time
 
+from . import orphans
 from . import worker as worker_lib
 
 _ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM)  # forwarded; the job ends
 _PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)  # forwarded; the job goes on
 _POLL = 0.2  # seconds between looks at the deadlines while nothing happens
+_REAP_EVERY = 1.0  # seconds between reaping orphans that were re-parented to kfrun and exited while the job runs
 STALLED = 124  # the exit code when workers were stopped for outliving a finished one by --timeout + --grace
 
 
@@ -72,10 +76,14 @@ class Supervisor:
         self._stall_at = None  # monotonic time after which workers still running have stalled
         self._finished = None  # the rank that exited 0 first while others ran on (the stall clock's start)
         self._stalled = False  # whether the remaining workers were stopped for stalling
+        self._before = set()  # children this process had before the job (when run() is called in a program)
+        self._next_reap = 0.0  # monotonic time of the next reap_children() while the job runs
 
     def run(self):
         """Starts every worker and waits for the job; returns kfrun's exit code."""
         previous = self._install_signal_handlers()
+        self._before = orphans.children() or set()
+        subreaper = orphans.become_subreaper()
         try:
             self._start_all()
             return self._wait()
@@ -83,6 +91,7 @@ class Supervisor:
             try:
                 self.shutdown()
             finally:
+                orphans.restore_subreaper(subreaper)
                 for signum, handler in previous.items():
                     signal.signal(signum, handler)
 
@@ -137,6 +146,7 @@ class Supervisor:
         self._kill_at = now + self._opts.kill_after
         for w in self._workers:
             w.signal(signum)
+        self._terminate_strays()
         self._printer.message(
             f"got {name}; forwarded it to every worker (SIGKILL in {self._opts.kill_after:g}s; "
             "signal again to kill now)"
@@ -191,6 +201,7 @@ class Supervisor:
         for w in self._workers:
             if w.spec.rank in pending:
                 w.terminate()
+        self._terminate_strays()
         self._kill_at = now + o.kill_after
 
     def _check_deadlines(self, pending):
@@ -203,6 +214,7 @@ class Supervisor:
             for w in self._workers:
                 if w.spec.rank in pending:
                     w.terminate()
+            self._terminate_strays()
             self._kill_at = now + self._opts.kill_after
         return self._kill_at is not None and now >= self._kill_at
 
@@ -213,6 +225,7 @@ class Supervisor:
         while pending:
             if self._check_deadlines(pending):
                 break  # shutdown() kills what is left
+            self._reap_orphans()
             try:
                 rank, returncode = self._exits.get(timeout=_POLL)
             except queue.Empty:
@@ -227,9 +240,22 @@ class Supervisor:
             return 128 + self._signal
         return 0
 
-    def _collect_exits(self, deadline, until_kill=False):
-        """Records exits until every worker is gone (True) or the deadline passes (False); with until_kill,
-        also stops when the SIGKILL time comes (a second signal to kfrun moves it to now)."""
+    def _keep(self):
+        """Children of kfrun that reap_children must leave alone: the workers (their waiter threads reap
+        them) and what kfrun had before the job."""
+        return self._before | {w.proc.pid for w in self._workers}
+
+    def _reap_orphans(self):
+        """Reaps, now and then while the job runs, the processes re-parented to kfrun that have exited."""
+        now = time.monotonic()
+        if now >= self._next_reap:
+            self._next_reap = now + _REAP_EVERY
+            orphans.reap_children(self._keep())
+
+    def _collect_exits(self, deadline, until_kill=False, kill_strays=False):
+        """Records exits until every worker is gone and no stray is left (True) or the deadline passes
+        (False); with until_kill, also stops when the SIGKILL time comes (a second signal to kfrun moves it
+        to now). kill_strays: SIGKILL each stray as it is seen (one may start another while it is killed)."""
         by_rank = {w.spec.rank: w for w in self._workers}
         while True:
             try:
@@ -238,7 +264,10 @@ class Supervisor:
                     by_rank[rank].returncode = returncode
             except queue.Empty:
                 pass
-            if not self._alive():
+            alive, strays = self._alive()
+            if kill_strays:
+                _send(strays, signal.SIGKILL)
+            if not alive and not strays:
                 return True
             now = time.monotonic()
             if now >= deadline or (until_kill and self._kill_at is not None and now >= self._kill_at):
@@ -246,30 +275,66 @@ class Supervisor:
             time.sleep(0.05)
 
     def _alive(self):
-        live_groups = worker_lib.live_process_groups()
-        return [w for w in self._workers if w.alive(live_groups)]
+        """([workers whose process or group is alive], [pids of strays: see orphans.stray_pids])."""
+        table = orphans.process_table()
+        live_groups = orphans.live_process_groups(table)
+        groups = {w.proc.pid for w in self._workers}
+        return ([w for w in self._workers if w.alive(live_groups)],
+                orphans.stray_pids(table, groups, self._before))
+
+    def _terminate_strays(self, strays=None):
+        """SIGTERM to the strays, whenever the workers are told to stop, so that the strays too have
+        --kill-after seconds before SIGKILL; SIGCONT as well, since a stopped process acts on it only then."""
+        if strays is None:
+            strays = self._alive()[1]
+        _send(strays, signal.SIGTERM)
+        _send(strays, signal.SIGCONT)
 
     def shutdown(self):
-        """SIGTERM, then SIGKILL, every process group still populated; reap; flush output."""
+        """SIGTERM, then SIGKILL, every process group still populated and every stray; reap; flush output."""
         if not self._collect_exits(time.monotonic()):
-            self._kill_alive(self._alive())
+            self._kill_alive(*self._alive())
+        orphans.reap_children(self._keep())
         deadline = time.monotonic() + 2.0
         for w in self._workers:
             for t in w.pumps:
                 t.join(timeout=max(0.0, deadline - time.monotonic()))
 
-    def _kill_alive(self, alive):
+    def _kill_alive(self, alive, strays):
         if self._kill_at is None or time.monotonic() < self._kill_at:
             for w in alive:
                 w.terminate()
+            self._terminate_strays(strays)
             if self._collect_exits(time.monotonic() + self._opts.kill_after, until_kill=True):
                 return
-        left = self._alive()
-        said = [f"{w.spec.rank}" if w.returncode is None else f"{w.spec.rank} (exited; processes it started)"
-                for w in left]
-        self._printer.message("sending SIGKILL to worker(s) " + ", ".join(said) + " (still running)")
+        left, strays = self._alive()
+        if left:
+            said = [f"{w.spec.rank}" if w.returncode is None else f"{w.spec.rank} (exited; processes it started)"
+                    for w in left]
+            self._printer.message("sending SIGKILL to worker(s) " + ", ".join(said) + " (still running)")
+        if strays:
+            self._printer.message(f"sending SIGKILL to {_describe_strays(strays)} (still running)")
         for w in left:
             w.kill()
-        if not self._collect_exits(time.monotonic() + 5.0):
-            left = ", ".join(w.describe() for w in self._alive())
-            self._printer.message(f"could not reap {left} after SIGKILL")
+        if not self._collect_exits(time.monotonic() + 5.0, kill_strays=True):
+            left, strays = self._alive()
+            names = [w.describe() for w in left] + ([_describe_strays(strays)] if strays else [])
+            self._printer.message(f"could not reap {', '.join(names)} after SIGKILL")
+
+
+def _send(pids, signum):
+    for pid in pids:
+        try:
+            os.kill(pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass  # gone, or not ours to signal (a set-user-ID program)
+
+
+def _describe_strays(pids, shown=5):
+    """'2 processes the workers started outside their process groups (pids 41 sleep, 42 python3)'."""
+    table = orphans.process_table() or {}
+    named = [f"{pid} {table[pid].name}" if pid in table else str(pid) for pid in pids[:shown]]
+    more = f", and {len(pids) - shown} more" if len(pids) > shown else ""
+    what = "process" if len(pids) == 1 else "processes"
+    return (f"{len(pids)} {what} the workers started outside their process groups "
+            f"(pid{'s' if len(pids) > 1 else ''} {', '.join(named)}{more})")

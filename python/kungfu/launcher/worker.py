@@ -1,15 +1,17 @@
 """One started worker process and the ways to stop it.
 
 A local worker runs in its own session, so its process group id is its pid and a signal to the group
-reaches whatever it started. A remote worker is an ssh client (also in its own group); its stdin is
-the remote worker's lifeline (see ssh.py): closing it makes the remote side SIGTERM the worker, and a
-line naming one of PASSABLE makes the remote side send that signal to the worker's group.
+reaches whatever it started that stayed in the group (what left it, e.g. under setsid: orphans.py).
+A remote worker is an ssh client (also in its own group); its stdin is the remote worker's lifeline
+(see ssh.py): closing it makes the remote side SIGTERM the worker, and a line naming one of PASSABLE
+makes the remote side send that signal to the worker's group.
 """
 
 import os
 import signal
 import subprocess
 
+from . import orphans
 from . import output
 from . import ssh
 
@@ -93,7 +95,7 @@ class Worker:
     def alive(self, live_groups):
         """True while the process is unreaped or its process group still has a live member.
 
-        live_groups is live_process_groups(): zombies do not count, since an orphan that no init
+        live_groups is orphans.live_process_groups(): zombies do not count, since an orphan that no init
         reaps (as in some containers) would otherwise keep its group "alive" forever."""
         if self.returncode is None:
             return True
@@ -104,26 +106,6 @@ class Worker:
             return True
         except (ProcessLookupError, PermissionError):
             return False
-
-
-def live_process_groups():
-    """The process group ids that have a member which is not a zombie; None without Linux's /proc."""
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return None
-    groups = set()
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                state, _ppid, pgrp = f.read().rsplit(b")", 1)[1].split()[:3]
-        except (OSError, ValueError):
-            continue  # it exited while we looked
-        if state != b"Z":
-            groups.add(int(pgrp))
-    return groups
 
 
 def _start_local(spec, command, env, opts):
@@ -141,7 +123,8 @@ def _start_remote(spec, command, env, opts):
     remote_env = {**opts.forward_env, **{k: v for k, v in env.items() if k != "KUNGFU_TOKEN"}}
     argv = ssh.ssh_command(spec.host, os.getcwd(), remote_env, command, opts.timeout, opts.kill_after)
     proc = subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True
+        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        env={**os.environ, orphans.SSH_MARK: str(os.getpid())},  # what ssh starts here is not a stray of the job
     )
     try:
         os.write(proc.stdin.fileno(), env["KUNGFU_TOKEN"].encode() + b"\n")  # unbuffered, like _send_line
