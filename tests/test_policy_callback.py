@@ -83,6 +83,28 @@ def test_policy_callback_given_to_another_model_controls_that_model_and_starts_o
     assert [float(o.learning_rate.numpy()) for o in opts] == pytest.approx([0.05, 0.05])
 
 
+def test_policy_callback_counts_from_a_used_optimizer_wrapped_by_hand():
+    """DistributedOptimizer(model.optimizer) of a restored model is built (its state copied) only at the
+    first step, after the callback starts counting: the count still starts at the restored step."""
+    import kungfu.policies as kp
+
+    model, x, y = model_and_data()
+    model.compile(optimizer=keras.optimizers.SGD(0.3), loss="mse")
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)  # 4 steps of a plain optimizer, as a restored one has
+    model.compile(optimizer=optimizers.DistributedOptimizer(model.optimizer), loss="mse")
+    cb = kungfu.keras.PolicyCallback([kp.scheduled({0: {"learning_rate": 0.1}, 6: {"learning_rate": 0.01}})])
+    lrs = []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            lrs.append(float(self.model.optimizer.learning_rate.numpy()))
+
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0, callbacks=[cb, Count()])
+    assert cb.runner.history[0][:3] == (4, 0, "before_train")  # resumed at step 4, caught up there
+    assert lrs == pytest.approx([0.1, 0.1, 0.01, 0.01])  # steps 5, 6, then entry 6's from step 7
+    assert cb.runner.step == int(model.optimizer.iterations.numpy()) == 8
+
+
 def test_policy_callback_stops_fit_for_a_policy_compiled_into_the_optimizer():
     model, x, y = model_and_data()
     opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1),

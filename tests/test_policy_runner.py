@@ -365,6 +365,30 @@ def test_a_compiled_schedule_applies_its_entry_0_before_the_first_step():
     assert sizes == [16, 16, 32]
 
 
+def test_a_rewritten_step_counts_from_a_checkpoint_restored_after_rewrite():
+    """rewrite() starts the policies at once (entry 0 before the loop's first batch); a checkpoint restored
+    after it moves the optimizer's step count, and the step's first call starts again from there."""
+    import kungfu.policies as kp
+
+    model, x, y = model_and_data()
+    opt = keras.optimizers.SGD(0.3)
+
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+        return opt.learning_rate
+
+    step = kungfu.rewrite(train_step, policies=[kp.scheduled({0: {"learning_rate": 0.1}, 6: {"learning_rate": 0.01}})],
+                          optimizer=opt)
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.1)  # entry 0, at rewrite()
+    opt.iterations.assign(5)  # as tf.train.Checkpoint(...).restore(...) of a run saved after 5 steps would
+    opt.learning_rate.assign(0.3)
+    used = [float(step(x, y)) for _ in range(3)]  # steps 6, 7, 8: the settings of step 5, then entry 6's
+    assert used == pytest.approx([0.1, 0.01, 0.01]) and int(opt.iterations.numpy()) == 8
+
+
 def test_policies_compiled_into_the_optimizer_switch_strategy_and_rate_in_fit():
     import kungfu.policies as kp
 

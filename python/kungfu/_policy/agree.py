@@ -74,8 +74,12 @@ def exchange(outcome, key):
 def start_step(optimizer, key):
     """The steps the optimizer has taken (its `iterations`: a run that resumes from a checkpoint starts past
     0), rank 0's value on every worker (one broadcast): where only rank 0 restored and a broadcast callback
-    has yet to copy its state, the others still read 0. 0 without an optimizer that counts its steps."""
+    has yet to copy its state, the others still read 0. 0 without an optimizer that counts its steps.
+    (With a LossScaleOptimizer, steps skipped for overflow are not counted.)"""
     iterations = getattr(optimizer, "iterations", None) if optimizer is not None else None
+    restored = getattr(getattr(optimizer, "_kungfu", None), "iterations_from", None)
+    if restored is not None and not getattr(optimizer, "built", True):
+        iterations = restored  # a kungfu wrapper of a used optimizer, not yet built: its state is copied then
     mine = 0 if iterations is None else int(np.asarray(iterations))
     if _lib.size() == 1:
         return mine

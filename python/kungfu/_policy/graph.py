@@ -322,6 +322,7 @@ class CompiledPolicies:
             self.stop_flag = tf.Variable(False, trainable=False, name="kungfu_policy_stop")
         self._state = {}  # (policy index, name) -> tf.Variable
         self.started = False  # whether start() ran the before_train hooks
+        self.start_step = 0  # where start() began counting (the optimizer's iterations then)
 
     def start(self):
         """Runs the policies' before_train hooks once, as Python hooks (a schedule's entry 0, say): the
@@ -335,6 +336,18 @@ class CompiledPolicies:
                               batch_size=c.fixed_batch_size, name=f"{self.name}/start")
         runner.before_train()
         self.step.assign(runner.step)
+        self.start_step = runner.step
+
+    def restart_if_restored(self):
+        """kungfu.rewrite's step at its first call, when start() ran at rewrite() (before the loop pulls its
+        first batch): a checkpoint restored since then moved the optimizer's step count, so start again
+        from it (its catch-up lands from the next batch). One broadcast, on every worker."""
+        from . import agree
+
+        c = self.controls
+        if c.optimizer is not None and agree.start_step(c.optimizer, f"kungfu/policy/{self.name}/first") \
+                != self.start_step:
+            self.start()
 
     def state_variables(self, policy, initial):
         i = next(j for j, p in enumerate(self.policies) if p is policy)

@@ -96,6 +96,9 @@ class PolicyRunner:
             start = agree.start_step(self.controls.optimizer, f"{self._key}/start")
             if start > 0:
                 self.step, self.resumed = start, True
+                batch = self.controls.batch_size()
+                if self.controls.dataset is None and batch is not None:
+                    self.samples_seen = start * batch  # as compiled policies count it (step * batch)
         self._run("before_train", logs)
 
     def before_epoch(self, epoch=None, logs=None):

@@ -131,6 +131,7 @@ class Rewritten:
         self._passes = tuple(passes)
         self._options = dict(options)
         self._policies = policies  # graph.CompiledPolicies, or None
+        self._called = False  # whether the step has been called (policies' start checked)
         self._name = getattr(fn, "__name__", None) or "step"
         self._lock = threading.Lock()
         self._functions = {}  # kungfu.size() -> the rewritten tf.function
@@ -138,8 +139,12 @@ class Rewritten:
         functools.update_wrapper(self, fn.python_function, updated=())
 
     def __call__(self, *args, **kwargs):
-        if self._policies is not None and not self._policies.started:
-            self._policies.start()  # the policies' before_train hooks, in Python, once
+        if self._policies is not None and not self._called:
+            if not self._policies.started:
+                self._policies.start()  # the policies' before_train hooks, in Python, once
+            else:  # started by rewrite(): a checkpoint restored since then moves the start
+                self._policies.restart_if_restored()
+            self._called = True
         return self._function()(*args, **kwargs)
 
     def get_concrete_function(self, *args, **kwargs):

@@ -63,6 +63,7 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     wrapped._kungfu = _Settings(strategy, float(alpha), fusion_bytes, bool(sparse_as_dense), compression)
     if optimizer.built:  # a used optimizer (e.g. one keras.models.load_model restored): keep its state
         wrapped._kungfu.state_from = list(optimizer.variables)
+        wrapped._kungfu.iterations_from = optimizer.iterations  # its step count until then (policies' start)
     if monitor is not None:
         wrapped._kungfu.monitors = _monitor.Monitors(names, monitor_interval, local_batch_size, wrapped.name,
                                                      monitor_alpha)

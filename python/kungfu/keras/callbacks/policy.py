@@ -24,8 +24,9 @@ class PolicyCallback(keras.callbacks.Callback):
     policies=[...])) calls ctx.stop(): add PolicyCallback([]) to fit's callbacks for that alone.
     Given to a later fit, it goes on counting steps and epochs (a fit that starts again from epoch 0
     continues from the epochs done), and a stop asked for in an earlier fit is forgotten; given to fit of
-    another model (without optimizer=), it starts over with that model's optimizer. Counting starts at the
-    optimizer's iterations, so a model restored from a checkpoint goes on from its step (ctx.resumed).
+    another model, or of the model compiled with a new optimizer (without optimizer=), it starts over with
+    that optimizer. Counting starts at the optimizer's iterations, so a model restored from a checkpoint
+    goes on from its step (ctx.resumed).
     .runner is the kungfu.PolicyRunner doing the work (its .history and summary() tell what changed).
     Batch-end hooks are overridden, so Keras dispatches steps synchronously (the callback needs the logs).
     The model must be compiled with steps_per_execution=1 (the default); fit raises ValueError otherwise.
@@ -72,7 +73,14 @@ class PolicyCallback(keras.callbacks.Callback):
                 and self.runner.controls.optimizer is not getattr(self.model, "optimizer", None)):
             self._start_over()
         runner = self._runner()
-        forget = getattr(runner.controls.optimizer, "_forget_policy_stop", None)
+        opt = runner.controls.optimizer
+        if (getattr(getattr(opt, "_kungfu", None), "state_from", None) is not None and not opt.built
+                and self.model.built):
+            # A kungfu wrapper of a used optimizer (a restored model's) copies that state when it is built,
+            # which Keras does at the first step: build it now, or the copy would undo what the policies
+            # set before training (a schedule's learning rate).
+            opt.build(self.model.trainable_variables)
+        forget = getattr(opt, "_forget_policy_stop", None)
         if forget is not None:
             forget()
         runner.before_train(logs)
