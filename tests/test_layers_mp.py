@@ -14,6 +14,7 @@ pytestmark = pytest.mark.usefixtures("kungfu_library")
 
 WORKER = os.path.join(REPO, "tests", "layers_worker.py")
 CHECKS = ["outputs_statistics_and_gradients_equal_the_global_batch",
+          "a_large_mean_keeps_the_accuracy_of_batch_normalization",
           "masked_steps_and_channels_first_equal_the_global_batch",
           "fit_equals_one_process_and_the_model_saves", "synchronized_true_is_refused"]
 

@@ -377,6 +377,20 @@ def test_loss_scale_optimizer_must_be_inside():
         keras.mixed_precision.set_global_policy(policy)
 
 
+def test_accumulation_is_read_where_keras_lets_it_be():
+    """gradient_accumulation_steps is the optimizer's own, or for a LossScaleOptimizer (which refuses the
+    argument) its inner optimizer's: the wrapper exchanges once per update in both cases
+    (tests/training_worker.py counts the collectives)."""
+    from kungfu.optimizers import _keras
+
+    plain = optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=3))
+    assert _keras.accumulating(plain) == (3, plain)
+    scaled = optimizers.SynchronousSGDOptimizer(
+        keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)))
+    assert _keras.accumulating(scaled) == (2, scaled.inner_optimizer)
+    assert _keras.accumulating(optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1))) == (None, None)
+
+
 class _HalvingSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """A schedule no one registered with Keras: its config alone cannot rebuild it."""
 

@@ -15,9 +15,9 @@ cluster. Workers build their models from different seeds, so the fit check also 
 BroadcastGlobalVariablesCallback makes them start identical (data, model and reference:
 tests/training_common.py). Also: gradient buckets in flight together, MetricAverageCallback, training
 resumed from a saved model by kungfu.keras.load_model, gradient accumulation (one exchange per
-update), mixed precision with a loss-scale optimizer (an overflow on one worker skips the step on
-all), and a clear error at once when the workers' model.fit would take different numbers of steps;
-and, in the same launch, the strategies and exchange forms (tests/training_strategy_checks.py).
+update, also inside a loss-scale optimizer), mixed precision with a loss-scale optimizer (an overflow
+on one worker skips the step on all), and a clear error at once when the workers' model.fit would take
+different numbers of steps; and, in the same launch, the strategies and exchange forms (tests/training_strategy_checks.py).
 
 `digits`: SMA and pair averaging reach 90% test accuracy on scikit-learn's digits, and the workers'
 models end close to each other.
@@ -38,8 +38,8 @@ import kungfu.keras  # noqa: E402
 from kungfu.keras import callbacks as kf_callbacks  # noqa: E402
 
 import training_strategy_checks  # noqa: E402
-from training_common import (CLASSES, LOCAL_BATCH, STEPS, adam, assert_close, local_data, loss_fn,  # noqa: E402
-                             make_model, reference_weights, sgd)
+from training_common import (CLASSES, LOCAL_BATCH, STEPS, adam, assert_close, dataset, local_data,  # noqa: E402
+                             loss_fn, make_model, reference_weights, sgd)
 
 CHECKS, check = mp.check_list()
 
@@ -238,6 +238,60 @@ def gradient_accumulation_exchanges_once_per_update():
     _, every_step = run(sgd, sma)
     if not (accumulated > 0 and 2 * accumulated == every_step):
         raise AssertionError(f"SMA took {accumulated} collectives with accumulation and {every_step} without")
+
+
+@check
+def loss_scaled_accumulation_exchanges_once_per_update():
+    """LossScaleOptimizer(SGD(gradient_accumulation_steps=2)), the mixed-precision form (Keras refuses the
+    argument on the loss-scale optimizer itself), inside S-SGD: one exchange per update too, and the
+    weights of one process accumulating over the whole global batches. With an overflow on rank 1 alone in
+    the first micro-step of the third update, every worker skips that update and halves the scale, and
+    the next update accumulates two micro-batches again: the weights are those of one process that never
+    saw global batches 4 and 5."""
+    from kungfu import _lib
+
+    def accumulating():
+        return keras.optimizers.SGD(0.1, momentum=0.9, gradient_accumulation_steps=2)
+
+    x, y = local_data()
+    loss = loss_fn()
+    for overflow_at in (None, 4):
+        model = make_model(100)
+        opt = kungfu.optimizers.SynchronousSGDOptimizer(
+            keras.optimizers.LossScaleOptimizer(accumulating(), initial_scale=2.0 ** 10))
+
+        @tf.function
+        def step(xb, yb, blow_up):
+            with tf.GradientTape() as tape:
+                value = opt.scale_loss(loss(yb, model(xb, training=True)) * blow_up)
+            opt.apply_gradients(zip(tape.gradient(value, model.trainable_variables), model.trainable_variables))
+
+        kungfu.barrier()
+        before = _lib.engine_stats()["completed"]
+        for t in range(STEPS):
+            blow_up = np.inf if (t == overflow_at and kungfu.rank() == 1) else 1.0
+            step(x[t * LOCAL_BATCH:(t + 1) * LOCAL_BATCH], y[t * LOCAL_BATCH:(t + 1) * LOCAL_BATCH],
+                 np.float32(blow_up))
+        exchanges = _lib.engine_stats()["completed"] - before
+        state = np.array([int(opt.iterations), float(opt.dynamic_scale)], np.float64)
+        agree = bool(kungfu.consensus(np.concatenate([w.ravel() for w in model.get_weights()] + [state])))
+        if exchanges != STEPS // 2:
+            raise AssertionError(f"{exchanges} collectives in {STEPS} micro-steps with accumulation over 2 "
+                                 f"(overflow at {overflow_at})")
+        if not agree:
+            raise AssertionError(f"the workers' weights, steps or loss scale differ (overflow at {overflow_at})")
+        if overflow_at is None:
+            assert_close(model.get_weights(), reference_weights(accumulating), "loss-scaled accumulation")
+            continue
+        if state.tolist() != [STEPS // 2 - 1, 2.0 ** 9]:
+            raise AssertionError(f"after one overflowing update: {state.tolist()} (updates, loss scale)")
+        gx, gy = dataset(kungfu.size())
+        rows = kungfu.size() * LOCAL_BATCH
+        kept = np.r_[0:4 * rows, 6 * rows:len(gx)]  # every global batch but 4 and 5
+        reference = make_model(100)
+        reference.compile(optimizer=accumulating(), loss=loss_fn())
+        reference.fit(gx[kept], gy[kept], batch_size=rows, epochs=1, shuffle=False, verbose=0)
+        assert_close(model.get_weights(), reference.get_weights(), "loss-scaled accumulation with an overflow")
 
 
 @check

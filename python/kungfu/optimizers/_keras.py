@@ -1,5 +1,6 @@
 """Where the distributed optimizer meets Keras's own optimizers: a LossScaleOptimizer put around it (refused,
-with the fix), and a used optimizer's state handed to its wrapper when that is built."""
+with the fix), the optimizer whose gradient accumulation it follows, and a used optimizer's state handed to
+its wrapper when that is built."""
 
 import sys
 
@@ -28,6 +29,23 @@ def refuse_loss_scale_outside(optimizer):
                 "kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.LossScaleOptimizer(opt)) "
                 "(docs/training.md, \"Mixed precision\")")
         frame = frame.f_back
+
+
+def accumulating(optimizer):
+    """(N, the optimizer that accumulates) when `optimizer` updates every N steps (Keras's own
+    gradient_accumulation_steps=N), else (None, None). A LossScaleOptimizer takes no such argument (Keras
+    refuses it); the optimizer it wraps may: LossScaleOptimizer(SGD(gradient_accumulation_steps=N)) is how
+    mixed precision accumulates, and then that inner optimizer counts the micro-steps and holds the
+    accumulators."""
+    import keras
+
+    if optimizer.gradient_accumulation_steps:
+        return optimizer.gradient_accumulation_steps, optimizer
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        inner = optimizer.inner_optimizer
+        if inner.gradient_accumulation_steps:
+            return inner.gradient_accumulation_steps, inner
+    return None, None
 
 
 def copy_state(source, wrapped):
