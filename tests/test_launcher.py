@@ -420,7 +420,7 @@ _SAME = "WARNING:kungfu:kungfu.finalize: not every worker reached finalize (why)
     ("logging.getLogger('kungfu').setLevel(logging.ERROR)", ""),
 ], ids=["nothing", "basicConfig", "absl", "own format", "silenced"])
 def test_finalize_warnings_read_the_same_on_every_rank(setup, expected):
-    """A rank where TF, Keras or kungfu.optimizers logged through absl (which configures the root logger)
+    """A rank where TF or Keras logged through absl (which configures the root logger)
     and one where nothing did print kungfu's finalize warning alike; a program's own configuration wins."""
     code = (f"import logging\n{setup}\nfrom kungfu import _lib\n"
             "_lib._warn('kungfu.finalize: not every worker reached finalize (%s); leaving anyway', 'why')\n")

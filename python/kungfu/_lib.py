@@ -239,7 +239,7 @@ def _warn(msg, *args):
     Where no handler is configured, logging's last resort prints the bare message; where the root logger
     has one, it prints in that handler's format, "WARNING:kungfu:..." for logging.basicConfig()'s. Which of
     the two a rank gets is not up to the user: absl.logging calls basicConfig() on its first message, and
-    TF, Keras and kungfu.optimizers log through absl on some ranks only (rank 0). So when no handler is
+    TF and Keras log through absl on some ranks only (rank 0). So when no handler is
     configured, the warning is printed as basicConfig() would print it, without configuring anything: every
     rank says "WARNING:kungfu:...", and a program that configures logging gets its own format everywhere."""
     log = logging.getLogger("kungfu")

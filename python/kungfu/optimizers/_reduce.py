@@ -14,14 +14,16 @@ optimizers add duplicates (ResourceScatterAdd/Sub), so the result is the dense m
 sparse_as_dense=True densifies instead, which is cheaper when most rows are touched anyway.
 """
 
+import logging
 import threading
 
 import tensorflow as tf
-from absl import logging
 
 from .. import _lib
 from ..ops import _compression
 from ..ops import collective
+
+_log = logging.getLogger("kungfu.optimizers")  # standard logging: absl's would configure the root logger
 
 DEFAULT_FUSION_BYTES = 4 << 20  # bucket size; the ops' own packing threshold has the same default
 
@@ -44,7 +46,7 @@ def _log_choices(choices):
     for name, how in new:
         by_how.setdefault(how, []).append(name)
     for how, names in by_how.items():
-        logging.info("kungfu: %d gradient(s) %s: %s", len(names), how, ", ".join(names))
+        _log.info("kungfu: %d gradient(s) %s: %s", len(names), how, ", ".join(names))
 
 
 def check_fusion_bytes(fusion_bytes):
