@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from types import SimpleNamespace
 
@@ -201,6 +202,36 @@ def test_orphans_that_exit_while_the_job_runs_are_reaped(reaper):
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=20)
     assert proc.returncode == 128 + signal.SIGTERM, err
+
+
+def test_run_inside_a_program_leaves_the_programs_own_processes_alone(tmp_path):
+    """kungfu.launcher.run() in a program: what the program's other threads start while the job runs, and
+    a second job's workers, are not the job's strays (killed) nor its orphans (reaped: their exit codes
+    would be lost); only the kfrun command adopts orphans."""
+    script = tmp_path / "inproc.py"
+    script.write_text(textwrap.dedent("""
+        import subprocess, sys, threading, time
+        from kungfu import launcher
+        res = {}
+        def helper():
+            time.sleep(0.5)
+            p = subprocess.Popen(["sh", "-c", "sleep 1; exit 7"])
+            time.sleep(2.5)  # checked on later, after the job's end and its reaping
+            res["helper"] = p.wait()
+        def job(name, argv, delay):
+            time.sleep(delay)
+            res[name] = launcher.run(argv)
+        threads = [threading.Thread(target=helper),
+                   threading.Thread(target=job, args=("a", ["kfrun", "-np", "1", "--kill-after", "1", "--",
+                                                          "sleep", "1"], 0)),
+                   threading.Thread(target=job, args=("b", ["kfrun", "-np", "1", "--kill-after", "1", "--",
+                                                          "sh", "-c", "sleep 3; exit 5"], 0.3))]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        print(sorted(res.items()))
+    """))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert out.stdout.strip().splitlines()[-1] == "[('a', 0), ('b', 5), ('helper', 7)]", out.stdout + out.stderr
 
 
 def test_restore_subreaper_puts_back_the_previous_setting():

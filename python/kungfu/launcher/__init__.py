@@ -48,8 +48,10 @@ def _plan(opts):
     return specs
 
 
-def run(argv):
-    """Runs kfrun with argv (program name first); returns the exit code."""
+def run(argv, adopt_orphans=False):
+    """Runs kfrun with argv (program name first); returns the exit code. adopt_orphans: be the workers'
+    child subreaper and end what they detach (setsid) with the job, as the kfrun command does; leave it
+    False inside a program that starts processes of its own (they would be taken for the job's)."""
     try:
         opts = cli.parse_args(argv)
         if opts is None:
@@ -64,7 +66,7 @@ def run(argv):
     envs = [plan.worker_env(s, specs, token, opts.timeout, environ, opts.bind_to) for s in specs]
     printer = output.LinePrinter()
     try:
-        return Supervisor(specs, opts.command, envs, opts, printer).run()
+        return Supervisor(specs, opts.command, envs, opts, printer, adopt_orphans).run()
     except LaunchError as e:
         printer.message(f"{e}; the workers already started were stopped")
         return e.exit_code
@@ -74,7 +76,7 @@ def run(argv):
 
 def main(argv=None):
     """Console-script entry point (kfrun)."""
-    code = run(sys.argv if argv is None else argv)
+    code = run(sys.argv if argv is None else argv, adopt_orphans=True)
     if any(t.name.startswith("kfrun-") and t.is_alive() for t in threading.enumerate()):
         # An output thread is still blocked writing to a reader that stopped reading. Python's own
         # shutdown would wait for that stream and then abort, so leave at once with the job's code.

@@ -62,7 +62,7 @@ def describe_exit(returncode, is_local=True):
 
 
 class Supervisor:
-    def __init__(self, specs, command, envs, opts, printer):
+    def __init__(self, specs, command, envs, opts, printer, adopt_orphans=False):
         self._specs = specs  # plan.WorkerSpec per rank
         self._command = command
         self._envs = envs  # KUNGFU_* env per rank
@@ -76,14 +76,20 @@ class Supervisor:
         self._stall_at = None  # monotonic time after which workers still running have stalled
         self._finished = None  # the rank that exited 0 first while others ran on (the stall clock's start)
         self._stalled = False  # whether the remaining workers were stopped for stalling
-        self._before = set()  # children this process had before the job (when run() is called in a program)
+        # Whether to be the workers' child subreaper and end what they detached (orphans.py): only as the
+        # kfrun command. Inside a program (kungfu.launcher.run()), the program's own children, started by
+        # other threads or by another job's run(), would be indistinguishable and killed or reaped too.
+        self._adopt = bool(adopt_orphans)
+        self._before = set()  # children this process had before the job
         self._next_reap = 0.0  # monotonic time of the next reap_children() while the job runs
 
     def run(self):
         """Starts every worker and waits for the job; returns kfrun's exit code."""
         previous = self._install_signal_handlers()
-        self._before = orphans.children() or set()
-        subreaper = orphans.become_subreaper()
+        subreaper = None
+        if self._adopt:
+            self._before = orphans.children() or set()
+            subreaper = orphans.become_subreaper()
         try:
             self._start_all()
             return self._wait()
@@ -248,7 +254,7 @@ class Supervisor:
     def _reap_orphans(self):
         """Reaps, now and then while the job runs, the processes re-parented to kfrun that have exited."""
         now = time.monotonic()
-        if now >= self._next_reap:
+        if self._adopt and now >= self._next_reap:
             self._next_reap = now + _REAP_EVERY
             orphans.reap_children(self._keep())
 
@@ -280,7 +286,7 @@ class Supervisor:
         live_groups = orphans.live_process_groups(table)
         groups = {w.proc.pid for w in self._workers}
         return ([w for w in self._workers if w.alive(live_groups)],
-                orphans.stray_pids(table, groups, self._before))
+                orphans.stray_pids(table, groups, self._before) if self._adopt else [])
 
     def _terminate_strays(self, strays=None):
         """SIGTERM to the strays, whenever the workers are told to stop, so that the strays too have
@@ -294,7 +300,8 @@ class Supervisor:
         """SIGTERM, then SIGKILL, every process group still populated and every stray; reap; flush output."""
         if not self._collect_exits(time.monotonic()):
             self._kill_alive(*self._alive())
-        orphans.reap_children(self._keep())
+        if self._adopt:
+            orphans.reap_children(self._keep())
         deadline = time.monotonic() + 2.0
         for w in self._workers:
             for t in w.pumps:
