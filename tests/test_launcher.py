@@ -497,10 +497,21 @@ def test_worker_defaults_yield_to_the_callers_environment():
     ({"KUNGFU_PEERS": "a:1", "KUNGFU_RANK": "0", "KUNGFU_LOCAL_RANK": "1"}, "KUNGFU_LOCAL_RANK=1"),
     ({"KUNGFU_PEERS": "a:1", "KUNGFU_RANK": "0", "KUNGFU_TIMEOUT": "-1"}, "KUNGFU_TIMEOUT"),
     ({"KUNGFU_RANK": "0"}, "KUNGFU_RANK is set but KUNGFU_PEERS is not"),
+    ({"KUNGFU_PEERS": "a:1,b:2", "KUNGFU_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1"},
+     "one launcher was started inside the other"),  # kfrun ... mpirun -np 2 python3 ..., or the reverse
 ])
 def test_resolve_cluster_rejects_bad_kfrun_variables(env, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         env_mod.resolve_cluster(env)
+
+
+def test_kfrun_refuses_to_run_as_one_of_several_mpirun_ranks(reaper):
+    code, out, err = run_kfrun(["-np", "1", "--", sys.executable, "-c", "print('ran')"], reaper,
+                               extra_env={"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "0"})
+    assert code == 2 and "ran" not in out and "one of 2 OpenMPI ranks" in err, (code, out, err)
+    code, out, _ = run_kfrun(["-np", "1", "--", sys.executable, "-c", "print('ran')"], reaper,
+                             extra_env={"OMPI_COMM_WORLD_SIZE": "1", "OMPI_COMM_WORLD_RANK": "0"})
+    assert code == 0 and "ran" in out  # mpirun -np 1 kfrun ...: one job
 
 
 def test_resolve_cluster_defaults():

@@ -234,11 +234,24 @@ def timeout_knob(environ=None):
     return "`kfrun --timeout`"
 
 
+def nested_launchers(env):
+    """Raises ValueError when OpenMPI started this process as one of several ranks and kfrun is involved
+    too (mpirun ... kfrun ..., or kfrun ... mpirun ...): each launcher would start a whole job of its own,
+    duplicate jobs that train and checkpoint side by side, or ranks claiming one engine port."""
+    size = env.get("OMPI_COMM_WORLD_SIZE", "")
+    if size.strip().isdigit() and int(size) > 1:
+        raise ValueError(f"kfrun's KUNGFU_PEERS and OpenMPI's OMPI_COMM_WORLD_SIZE={size.strip()} are both set: one "
+                         "launcher was started inside the other (mpirun ... kfrun ..., or kfrun ... mpirun ...), "
+                         "which runs duplicate jobs; start the workers with one of them: kfrun -np N python3 "
+                         "train.py, or mpirun -np N python3 train.py")
+
+
 def resolve_cluster(environ=None):
     """Returns this worker's ClusterSpec from environ (default os.environ). See the module doc."""
     env = os.environ if environ is None else environ
     timeout = _timeout(env)
     if "KUNGFU_PEERS" in env:
+        nested_launchers(env)
         return _from_kfrun(env, timeout)
     stray = [name for name in _KFRUN_ONLY if name in env]
     if stray:

@@ -48,6 +48,16 @@ def _plan(opts):
     return specs
 
 
+def _refuse_inside_mpirun(environ):
+    """mpirun -np N kfrun ...: each of the N ranks would start a whole job of its own (duplicates that train
+    and checkpoint side by side), so refuse; mpirun -np 1 kfrun ... is one job and fine."""
+    size = environ.get("OMPI_COMM_WORLD_SIZE", "").strip()
+    if size.isdigit() and int(size) > 1:
+        raise UsageError(f"kfrun is running as one of {size} OpenMPI ranks (mpirun ... kfrun ...), so each rank "
+                         "would start a whole job of its own; use one launcher: kfrun -np N python3 train.py, or "
+                         "mpirun -np N python3 train.py")
+
+
 def run(argv, adopt_orphans=False):
     """Runs kfrun with argv (program name first); returns the exit code. adopt_orphans: be the workers'
     child subreaper and end what they detach (setsid) with the job, as the kfrun command does; leave it
@@ -57,6 +67,7 @@ def run(argv, adopt_orphans=False):
         if opts is None:
             _write(sys.stdout, cli.help_text())
             return 0
+        _refuse_inside_mpirun(os.environ)
         specs = _plan(opts)
         cli.make_output_dirs(opts)
     except UsageError as e:
