@@ -453,3 +453,16 @@ def test_a_policy_sets_the_rate_a_loss_scale_optimizer_trains_with(compiled):
         assert runner.controls.learning_rate() == pytest.approx(0.05)
     assert float(opt.inner_optimizer.learning_rate.numpy()) == pytest.approx(0.05)
     assert float(opt.learning_rate.numpy()) == pytest.approx(0.05)
+
+
+def test_a_resumed_runner_warns_of_a_rate_rule_without_base_values(caplog):
+    import kungfu.policies as kp
+
+    opt = keras.optimizers.SGD(0.1)
+    opt.iterations.assign(5)  # as restored from a checkpoint
+    with caplog.at_level("WARNING", logger="kungfu.policies"):
+        kungfu.PolicyRunner([kp.lr_scaling("linear")], optimizer=opt, batch_size=32).before_train()
+        kungfu.PolicyRunner([kp.lr_scaling("linear", base_lr=0.1, base_batch=32),
+                             kp.gns_batch_size(32, 64, lr_rule=None)], optimizer=opt, batch_size=32).before_train()
+    said = [r.getMessage() for r in caplog.records if "pass base_lr= and base_batch=" in r.getMessage()]
+    assert len(said) == 1 and "resumed at step 5: LRScalingPolicy" in said[0], said

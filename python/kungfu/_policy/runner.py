@@ -60,6 +60,20 @@ def _float_logs(logs):
     return out
 
 
+def _warn_of_unsaved_bases(policies, step):
+    """A learning-rate rule whose base values default to the first ones it sees (lr_scaling,
+    gns_batch_size(lr_rule=...)) would, in a resumed run, take the restored or caught-up values for them,
+    which no checkpoint marks as the base: its rates then differ from the uninterrupted run's."""
+    if _lib.rank() != 0:
+        return
+    for p in policies:
+        uses_base = getattr(p, "rule", None) is not None or getattr(p, "lr_rule", None) is not None
+        if uses_base and (getattr(p, "base_lr", 0) is None or getattr(p, "base_batch", 0) is None):
+            _log.warning("training resumed at step %d: %s takes its base learning rate and batch size from the "
+                         "first values it sees, which after resuming are not the original run's; pass base_lr= and "
+                         "base_batch= (the original values) to keep its rates", step, p.name)
+
+
 class PolicyRunner:
     """Runs policies (a list of kungfu.policies.BasePolicy) around the steps of a training loop.
 
@@ -99,6 +113,7 @@ class PolicyRunner:
                 batch = self.controls.batch_size()
                 if self.controls.dataset is None and batch is not None:
                     self.samples_seen = start * batch  # as compiled policies count it (step * batch)
+                _warn_of_unsaved_bases(self.policies, start)
         self._run("before_train", logs)
 
     def before_epoch(self, epoch=None, logs=None):
