@@ -92,7 +92,11 @@ void Engine::Impl::Dispatch(ActiveOp& a, int src, const FrameHeader& h, const ch
       const int code = static_cast<int>(h.tag);
       const Code c = code >= 1 && code <= 14 ? static_cast<Code>(code) : Code::kUnknown;
       const std::string text(data ? data : "", data ? h.payload_bytes : 0);
-      return Fail(id, Status(c, text + " (reported by peer " + config_.peers.Describe(src) + ")"), false);
+      std::string why = text + " (reported by peer " + config_.peers.Describe(src) + ")";
+      // A peer's deadline passed first: say what this worker was waiting for too, which can name the
+      // stalled rank where the peer's view cannot (a star's root knows who is missing, its workers not).
+      if (c == Code::kDeadlineExceeded) why += "; here: " + op->Progress();
+      return Fail(id, Status(c, why), false);
     }
   }
   if (!s.ok()) return Fail(id, s, s.code() == Code::kInvalidArgument);
