@@ -45,6 +45,7 @@ Status Engine::Impl::Start() {
   dead_.assign(n, Status::OK());
   left_.assign(n, false);
   finalizing_.assign(n, -1);
+  started_by_.assign(n, std::nullopt);
   judge_at_.assign(n, std::nullopt);
   judge_why_.assign(n, Status::OK());
   out_.resize(n);

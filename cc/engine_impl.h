@@ -31,6 +31,7 @@
 #include "cc/transport/event_loop.h"
 #include "cc/transport/handshake.h"
 #include "cc/transport/socket.h"
+#include "cc/wire.h"
 
 namespace kungfu {
 
@@ -100,8 +101,14 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   void SendGoodbyes();
   void OnPeerLeft(int peer, uint64_t started);
   void OnPeerFinalizing(int peer, uint64_t started);
-  // Why collective `id` here can never run on a finalizing peer (it started fewer), or OK.
-  Status NeverJoined(uint64_t id) const;
+  // A BYE or FINALIZING frame's payload: what the peer started, by name (started_by_).
+  void ReadStartedByName(int peer, const char* data, uint64_t bytes);
+  // Whether `peer`, which started `total` collectives before it began to leave, started `op`: exact
+  // from its counts by name; from the total alone (no payload), a guess that holds while workers start
+  // the same collectives in the same order.
+  bool PeerStarted(int peer, uint64_t total, const Op& op) const;
+  // Why `op` here can never run on a finalizing peer (that peer never started it), or OK.
+  Status NeverJoined(const Op& op) const;
   void OnSendDone(uint64_t op_id);
   void ReportSent();  // OnSendDone for every id in sent_
   int AfterEvents();  // flush, deadlines; returns the loop's next sleep in ms
@@ -137,6 +144,9 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   std::vector<bool> left_;    // by rank: the peer said goodbye (it is in dead_ too)
   // By rank: how many collectives the peer started before it began to finalize (kFinalizing), or -1.
   std::vector<int64_t> finalizing_;
+  // By rank: how many times the peer started each name before it began to leave (from its FINALIZING
+  // or BYE frame), or nullopt (not heard yet, or sent without).
+  std::vector<std::optional<StartedByName>> started_by_;
   int64_t finalized_after_ = -1;  // the same for this worker (BeginFinalize), or -1
   // By rank: the stream this worker writes to closed while the one it reads from is open; judged when
   // that one closes too or at this time, whichever first (see OnConnectionError).

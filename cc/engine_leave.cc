@@ -6,20 +6,57 @@
 
 namespace kungfu {
 
+namespace {
+// The BYE or FINALIZING frame to one peer: the total in its header, the counts by name as its payload
+// (none if too large to send: the peer then judges from the total alone).
+void SendLeaving(Connection* c, FrameKind kind, uint64_t total, uint32_t cluster_version, const std::string& by_name) {
+  FrameHeader h;
+  h.kind = kind;
+  h.generation = total;
+  h.cluster_version = cluster_version;
+  h.payload_bytes = by_name.size();
+  Buffer data;
+  if (!by_name.empty()) {
+    data = NewBuffer(by_name.size());
+    std::copy(by_name.begin(), by_name.end(), data.get());
+  }
+  c->EnqueueOwned(h, kind == FrameKind::kBye ? "kungfu/bye" : "kungfu/finalizing", std::move(data), 0);
+}
+}  // namespace
+
 void Engine::Impl::SendGoodbyes() {
+  const std::string by_name = EncodeStartedByName(next_gen_);
   for (int d = 0; d < size(); ++d) {
     if (d == rank() || !out_[d] || out_[d]->broken() || left_[d]) continue;
-    FrameHeader h;
-    h.kind = FrameKind::kBye;
-    h.generation = next_op_id_ - 1;  // the collectives this worker started
-    h.cluster_version = config_.peers.version();
-    out_[d]->EnqueueOwned(h, "kungfu/bye", nullptr, 0);
+    SendLeaving(out_[d].get(), FrameKind::kBye, next_op_id_ - 1, config_.peers.version(), by_name);
   }
+}
+
+void Engine::Impl::ReadStartedByName(int peer, const char* data, uint64_t bytes) {
+  if (bytes == 0 || data == nullptr) return;
+  StartedByName started;
+  Status s = DecodeStartedByName(data, bytes, &started);
+  if (!s.ok()) {
+    KF_LOG(Warning) << "rank " << rank() << ": peer " << config_.peers.Describe(peer) << ": " << s.message();
+    return;
+  }
+  started_by_[peer] = std::move(started);
+}
+
+// Counts by name are exact whatever order workers started concurrent collectives in, and whatever
+// collectives failed on some workers only (a caught error after which a worker goes on can leave the
+// totals unequal). The total alone only compares with this worker's count of collectives started.
+bool Engine::Impl::PeerStarted(int peer, uint64_t total, const Op& op) const {
+  if (started_by_[peer]) {
+    auto it = started_by_[peer]->find(op.name());
+    return it != started_by_[peer]->end() && op.generation < it->second;
+  }
+  return op.id <= total;
 }
 
 // A peer that leaves cleanly has finished every collective it started, and sent all it owed for them
 // before its goodbye. In-flight collectives here that it took part in need nothing more from it; any
-// it never started (this worker has started more) can never finish, so they fail now.
+// it never started can never finish, so they fail now.
 void Engine::Impl::OnPeerLeft(int peer, uint64_t started) {
   if (!dead_[peer].ok()) return;
   judge_at_[peer].reset();  // a close seen before this goodbye was its leaving, not a crash
@@ -30,45 +67,50 @@ void Engine::Impl::OnPeerLeft(int peer, uint64_t started) {
   KF_LOG(Info) << "rank " << rank() << ": " << dead_[peer].message();
   p2p_.OnPeerGone(peer, dead_[peer]);
   if (out_[peer]) out_[peer]->DropQueued(&sent_);  // frames for collectives it has finished
-  if (next_op_id_ - 1 > started && !ops_.empty()) {
-    const Status why = Unavailable(dead_[peer].message() + "; this worker started " +
-                                   std::to_string(next_op_id_ - 1) + ", so some collective here never ran there");
-    std::vector<uint64_t> ids;
-    for (auto& [key, a] : ops_) ids.push_back(a.op->id);
-    for (uint64_t id : ids) Fail(id, why, false);
+  std::vector<uint64_t> ids;
+  std::string which;
+  for (auto& [key, a] : ops_) {
+    if (PeerStarted(peer, started, *a.op)) continue;
+    ids.push_back(a.op->id);
+    if (which.empty()) which = Describe(*a.op);
   }
+  if (ids.empty()) return;
+  if (!started_by_[peer]) {  // which ones is unknown (see OnPeerFinalizing): all of them
+    ids.clear();
+    for (auto& [key, a] : ops_) ids.push_back(a.op->id);
+  }
+  const Status why = Unavailable(dead_[peer].message() + " without starting this worker's " + which +
+                                 (ids.size() > 1 ? " and " + std::to_string(ids.size() - 1) + " more" : ""));
+  for (uint64_t id : ids) Fail(id, why, false);
 }
 
-// Finalizing: this worker will start no collective but the finalize barrier. Peers learn how many it
+// Finalizing: this worker will start no collective but the finalize barrier. Peers learn what it
 // started before, so one that waits in a collective this worker never started (it left the training
 // loop early: sys.exit, a return from main) fails at once instead of at its timeout, while this worker
 // waits in the barrier. Posted in order with the barrier's own start, so that one is not counted.
 void Engine::Impl::BeginFinalize() {
   if (finalized_after_ >= 0) return;
   finalized_after_ = static_cast<int64_t>(next_op_id_ - 1);
+  const std::string by_name = EncodeStartedByName(next_gen_);
   for (int d = 0; d < size(); ++d) {
     if (d == rank() || !out_[d] || out_[d]->broken() || left_[d]) continue;
-    FrameHeader h;
-    h.kind = FrameKind::kFinalizing;
-    h.generation = static_cast<uint64_t>(finalized_after_);
-    h.cluster_version = config_.peers.version();
-    out_[d]->EnqueueOwned(h, "kungfu/finalizing", nullptr, 0);
+    SendLeaving(out_[d].get(), FrameKind::kFinalizing, static_cast<uint64_t>(finalized_after_), config_.peers.version(),
+                by_name);
   }
 }
 
-// Counts compare across workers, as for a goodbye, because every worker's engine lives as long as the
+// Totals compare across workers, as for a goodbye, because every worker's engine lives as long as the
 // job (membership is fixed) and every collective involves every worker.
-Status Engine::Impl::NeverJoined(uint64_t id) const {
+Status Engine::Impl::NeverJoined(const Op& op) const {
   // Collectives this worker starts after its own BeginFinalize are the barrier, which every peer joins.
-  if (finalized_after_ >= 0 && static_cast<int64_t>(id) > finalized_after_) return Status::OK();
+  if (finalized_after_ >= 0 && static_cast<int64_t>(op.id) > finalized_after_) return Status::OK();
   for (int p = 0; p < size(); ++p) {
-    if (finalizing_[p] >= 0 && static_cast<int64_t>(id) > finalizing_[p]) {
-      return Unavailable("peer " + config_.peers.Describe(p) + " has begun to finalize after " +
-                         std::to_string(finalizing_[p]) + " collective(s) and will not join this worker's collective #" +
-                         std::to_string(id) +
-                         " (did it leave the training loop early: sys.exit, or a callback such as EarlyStopping that "
-                         "decided from its own metrics, without MetricAverageCallback?)");
-    }
+    if (finalizing_[p] < 0 || PeerStarted(p, static_cast<uint64_t>(finalizing_[p]), op)) continue;
+    return Unavailable("peer " + config_.peers.Describe(p) + " has begun to finalize after " +
+                       std::to_string(finalizing_[p]) + " collective(s) and will not join this worker's " +
+                       Describe(op) +
+                       " (did it leave the training loop early: sys.exit, or a callback such as EarlyStopping that "
+                       "decided from its own metrics, without MetricAverageCallback?)");
   }
   return Status::OK();
 }
@@ -76,18 +118,23 @@ Status Engine::Impl::NeverJoined(uint64_t id) const {
 void Engine::Impl::OnPeerFinalizing(int peer, uint64_t started) {
   if (!dead_[peer].ok()) return;
   finalizing_[peer] = static_cast<int64_t>(started);
-  // Those in flight here that it never started can never finish. Which ones is unknown (workers may
-  // start concurrent collectives in different orders), so, as for a goodbye, all of them fail: the
-  // program has diverged anyway.
+  // Those in flight here that it never started can never finish. With its counts by name, exactly
+  // those fail; with its total alone, which ones is unknown (workers may start concurrent collectives
+  // in different orders), so all of them fail, as the program has diverged anyway.
   std::vector<uint64_t> ids;
   Status why;
   for (auto& [key, a] : ops_) {
-    Status never = NeverJoined(a.op->id);
-    if (!never.ok()) why = never;
+    Status never = NeverJoined(*a.op);
+    if (never.ok()) continue;
+    if (why.ok()) why = never;
+    ids.push_back(a.op->id);
   }
   if (why.ok()) return;
-  for (auto& [key, a] : ops_) {
-    if (finalized_after_ < 0 || static_cast<int64_t>(a.op->id) <= finalized_after_) ids.push_back(a.op->id);
+  if (!started_by_[peer]) {
+    ids.clear();
+    for (auto& [key, a] : ops_) {
+      if (finalized_after_ < 0 || static_cast<int64_t>(a.op->id) <= finalized_after_) ids.push_back(a.op->id);
+    }
   }
   KF_LOG(Warning) << "rank " << rank() << ": " << why.message();
   for (uint64_t id : ids) Fail(id, why, false);

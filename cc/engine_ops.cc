@@ -45,7 +45,7 @@ void Engine::Impl::StartOp(std::unique_ptr<Op> op) {
     }
   }
   if (size() > 1 && !first_dead_.ok()) return Fail(id, first_dead_, false);
-  if (Status never = NeverJoined(id); !never.ok()) return Fail(id, never, false);
+  if (Status never = NeverJoined(*raw); !never.ok()) return Fail(id, never, false);
   Status s = raw->Start(this);
   if (!s.ok()) return Fail(id, s, s.code() == Code::kInvalidArgument);
   // Deliver them in arrival order.
@@ -250,8 +250,10 @@ void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char
   }
   if (h.kind == FrameKind::kRequest) return p2p_.OnRequest(src, h, name);
   if (h.kind == FrameKind::kResponse) return p2p_.OnResponse(src, h, data);
-  if (h.kind == FrameKind::kBye) return OnPeerLeft(src, h.generation);
-  if (h.kind == FrameKind::kFinalizing) return OnPeerFinalizing(src, h.generation);
+  if (h.kind == FrameKind::kBye || h.kind == FrameKind::kFinalizing) {
+    ReadStartedByName(src, data, h.payload_bytes);
+    return h.kind == FrameKind::kBye ? OnPeerLeft(src, h.generation) : OnPeerFinalizing(src, h.generation);
+  }
   SettleReceiving(src);  // counted again below if it stays pending
   const Key key(std::move(name), h.generation);
   auto it = ops_.find(key);

@@ -92,4 +92,35 @@ Status DecodeFrameHeader(const uint8_t* in, FrameHeader* h, uint32_t* name_len) 
   return Status::OK();
 }
 
+std::string EncodeStartedByName(const StartedByName& started) {
+  std::string out;
+  for (const auto& [name, count] : started) {
+    const size_t at = out.size();
+    if (at + 12 + name.size() > kMaxPayloadBytes) return std::string();
+    out.resize(at + 12 + name.size());
+    auto* p = reinterpret_cast<uint8_t*>(out.data()) + at;
+    Put<uint32_t>(p, 0, static_cast<uint32_t>(name.size()));
+    Put<uint64_t>(p, 4, count);
+    std::memcpy(p + 12, name.data(), name.size());
+  }
+  return out;
+}
+
+Status DecodeStartedByName(const char* data, uint64_t bytes, StartedByName* out) {
+  out->clear();
+  const auto* p = reinterpret_cast<const uint8_t*>(data);
+  uint64_t at = 0;
+  while (at < bytes) {
+    if (bytes - at < 12) return InvalidArgument("started-by-name payload: a truncated entry");
+    const uint32_t len = Get<uint32_t>(p, at);
+    const uint64_t count = Get<uint64_t>(p, at + 4);
+    if (len == 0 || len > kMaxNameBytes || bytes - at - 12 < len) {
+      return InvalidArgument("started-by-name payload: a name of " + std::to_string(len) + " bytes out of bounds");
+    }
+    (*out)[std::string(data + at + 12, len)] = count;
+    at += 12 + len;
+  }
+  return Status::OK();
+}
+
 }  // namespace kungfu

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 
 #include "cc/status.h"
 
@@ -16,7 +17,8 @@ constexpr uint32_t kFrameMagic = 0x474e464b;  // "KFNG"
 // 4: adds allreduce by halving-doubling (its algorithm id).
 // 5: adds the pad between the name and the payload.
 // 6: adds the FINALIZING frame.
-constexpr uint16_t kProtocolVersion = 6;
+// 7: BYE and FINALIZING carry the sender's started counts by name (EncodeStartedByName).
+constexpr uint16_t kProtocolVersion = 7;
 constexpr size_t kFrameHeaderSize = 64;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint8_t kMaxPadBytes = 64;
@@ -33,9 +35,10 @@ enum class FrameKind : uint8_t {
   kResponse = 5,  // answers one request: tag = its id, aux = P2PStatus, generation = the copy's version;
                   // dtype, count, shape_sig: the copy's; offset and payload: one piece of its data
   kBye = 6,  // the sender leaves cleanly: everything it owed was sent before this frame, and it has nothing
-             // in flight. generation = how many collectives it started; no payload
+             // in flight. generation = how many collectives it started; payload = how many times it
+             // started each name (EncodeStartedByName), or none if that would not fit in a frame
   kFinalizing = 7,  // the sender has begun to finalize and starts no collective but the finalize barrier;
-                    // generation = how many it started before; no payload
+                    // generation and payload: what it started before, as for kBye
 };
 constexpr uint8_t kLastFrameKind = 7;
 
@@ -82,5 +85,12 @@ struct FrameHeader {
 void EncodeFrameHeader(const FrameHeader& h, uint32_t name_len, uint8_t* out);
 // Parses and bounds-checks a header; *name_len receives the name length that follows it.
 Status DecodeFrameHeader(const uint8_t* in, FrameHeader* h, uint32_t* name_len);
+
+// The payload of BYE and FINALIZING: for each collective name, how many times the sender started it
+// (its next generation of that name). Each entry is u32 name length, u64 count, then the name's bytes.
+// Empty when it would exceed kMaxPayloadBytes: the receiver then has only the frame's total count.
+using StartedByName = std::unordered_map<std::string, uint64_t>;
+std::string EncodeStartedByName(const StartedByName& started);
+Status DecodeStartedByName(const char* data, uint64_t bytes, StartedByName* out);
 
 }  // namespace kungfu

@@ -1,6 +1,7 @@
 // Races a real engine seldom produces, made certain by a fake rank built from the engine's own handshake
-// and frame encoding: a goodbye arriving after the other stream closed, and frames that arrive together
-// against the pending-data bound. Rank 0 is a real engine on loopback.
+// and frame encoding: a goodbye arriving after the other stream closed, frames that arrive together
+// against the pending-data bound, and a finalizing notice whose total misleads. Rank 0 is a real engine
+// on loopback.
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -91,6 +92,58 @@ TEST(Leave, GoodbyeAfterTheOtherStreamClosedIsStillAGoodbye) {
   Status s = w.Wait();
   EXPECT_EQ(CodeName(s.code()), CodeName(Code::kUnavailable));
   EXPECT_TRUE(s.message().find("left the cluster") != std::string::npos);
+}
+
+// A finalizing notice carries the peer's counts by name, and only the collectives it never started
+// fail. The fake rank 1 of 2 started one collective, "b", while rank 0 starts "a" and "b" (its loop may
+// run them before or after it reads the notice); the notice's total (1) is what a worker sends after a
+// caught error made the totals unequal. From the total alone, rank 0 failed "b" (its collective #2, and
+// 2 > 1) though rank 1 had started it, and "a" waited out the deadline; by name, "a" fails at once
+// naming rank 1, and "b" completes with rank 1's data.
+TEST(Leave, FinalizingNoticeFailsExactlyTheCollectivesThePeerNeverStarted) {
+  const PeerList peers = testing::LoopbackPeers(2);
+  HandshakeParams hs;
+  hs.token = "test-token";
+  hs.peers = &peers;
+  FakeRank fake1;
+  std::thread fake([&] { fake1 = ConnectFakeRank(peers, hs, 1); });
+  EngineConfig c;
+  c.peers = peers;
+  c.token = "test-token";
+  c.timeout_seconds = 20;
+  auto engine = Engine::Start(c);
+  fake.join();
+  ASSERT_OK(engine.status());
+  ASSERT_TRUE(fake1.rank0_reads.valid());
+  Waiter wa, wb;
+  float a = 1, b = 2;
+  engine.value()->AllReduce(&a, &a, 1, DType::kFloat32, ReduceOp::kSum, "a", wa.Callback());
+  engine.value()->AllReduce(&b, &b, 1, DType::kFloat32, ReduceOp::kSum, "b", wb.Callback());
+  FrameHeader note;
+  note.kind = FrameKind::kFinalizing;
+  note.generation = 1;
+  note.cluster_version = peers.version();
+  const std::string by_name = EncodeStartedByName({{"b", 1}});
+  note.payload_bytes = by_name.size();
+  std::vector<uint8_t> frame = EncodeFrame(note, "kungfu/finalizing");
+  std::copy(by_name.begin(), by_name.end(), frame.end() - by_name.size());
+  ASSERT_OK(WriteFull(fake1.rank0_reads.get(), frame.data(), frame.size(), DeadlineAfter(5)));
+  Status sa = wa.Wait();
+  EXPECT_EQ(CodeName(sa.code()), CodeName(Code::kUnavailable));
+  EXPECT_TRUE(sa.message().find("rank 1") != std::string::npos);
+  EXPECT_TRUE(sa.message().find("'a'") != std::string::npos);
+  FrameHeader data;  // rank 1's half of "b": recursive doubling, one round, payload 1.0f
+  data.kind = FrameKind::kData;
+  data.algo = Algo::kAllReduceDoubling;
+  data.dtype = static_cast<uint8_t>(DType::kFloat32);
+  data.aux = static_cast<uint32_t>(ReduceOp::kSum);
+  data.cluster_version = peers.version();
+  data.count = 1;
+  data.payload_bytes = sizeof(float);
+  frame = EncodeFrame(data, "b");
+  ASSERT_OK(WriteFull(fake1.rank0_reads.get(), frame.data(), frame.size(), DeadlineAfter(5)));
+  EXPECT_OK(wb.Wait());
+  EXPECT_EQ(b, 3.f);
 }
 
 // Data for a collective this worker has not started counts against max_pending_bytes from the moment

@@ -1,5 +1,6 @@
 // Frame header encoding and the pad between a frame's name and its payload.
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -13,6 +14,26 @@ namespace {
 
 using testing::RunRanks;
 using testing::StartCluster;
+
+// The counts by name in BYE and FINALIZING frames: a round trip, and malformed payloads refused
+// before anything is read out of bounds.
+TEST(Wire, StartedByNameRoundTripAndBounds) {
+  StartedByName m{{"grad/dense_1", 3}, {"kungfu/finalize", 1}, {std::string(kMaxNameBytes, 'n'), uint64_t{1} << 40}};
+  const std::string bytes = EncodeStartedByName(m);
+  StartedByName back{{"stale", 9}};
+  EXPECT_OK(DecodeStartedByName(bytes.data(), bytes.size(), &back));
+  EXPECT_TRUE(back == m);
+  EXPECT_OK(DecodeStartedByName(nullptr, 0, &back));
+  EXPECT_TRUE(back.empty());
+  EXPECT_TRUE(!DecodeStartedByName(bytes.data(), bytes.size() - 1, &back).ok());  // a name cut short
+  EXPECT_TRUE(!DecodeStartedByName(bytes.data(), 11, &back).ok());                // a header cut short
+  std::string huge = bytes;
+  const uint32_t too_long = kMaxNameBytes + 1;
+  std::memcpy(huge.data(), &too_long, sizeof(too_long));
+  EXPECT_TRUE(!DecodeStartedByName(huge.data(), huge.size(), &back).ok());
+  std::string empty_name(12, '\0');
+  EXPECT_TRUE(!DecodeStartedByName(empty_name.data(), empty_name.size(), &back).ok());
+}
 
 TEST(Wire, HeaderRoundTripAndBounds) {
   FrameHeader h;
