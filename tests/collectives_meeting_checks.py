@@ -3,6 +3,7 @@ rank-dependent order in one tf.function completes, independent collectives are i
 and identical ones run, and threads take turns. Run by tests/collectives_worker.py with its own checks.
 """
 
+import tempfile
 import threading
 import time
 
@@ -181,6 +182,34 @@ def unused_and_identical_collectives_run():
     assert after["completed"] - before["completed"] == 1, f"unused: completed {before} -> {after}"
     assert_equal(identical(tf.ones([4])), np.full([4], 2 * size, np.float32), "identical")
     assert _lib.engine_stats()["started"] - after["started"] == 2, "identical: both calls started"
+
+
+@check
+def later_trace_and_saved_model():
+    """A function whose first collective comes in its second trace (a Python branch), and a tf.Module saved
+    with tf.saved_model.save and loaded again. The ordering token is each graph's own op, so neither is
+    refused (a captured token variable was: "Creating variables on a non-first call", "untracked resource")."""
+    rank, size = kungfu.rank(), kungfu.size()
+    total = np.full([3], size * (size + 1) / 2, np.float32)
+
+    @tf.function
+    def maybe(x, sync):
+        return kungfu.all_reduce(x, name="later_trace") if sync else x
+
+    x = tf.fill([3], float(rank + 1))
+    assert_equal(maybe(x, False), x.numpy(), "first trace, no collective")
+    assert_equal(maybe(x, True), total, "second trace, a collective")
+
+    class Summer(tf.Module):
+        @tf.function(input_signature=[tf.TensorSpec([3], tf.float32)])
+        def __call__(self, v):
+            return kungfu.all_reduce(v, name="saved_model")
+
+    with tempfile.TemporaryDirectory() as d:
+        tf.saved_model.save(Summer(), d)
+        loaded = tf.saved_model.load(d)
+    assert_equal(loaded(x), total, "a loaded SavedModel's collective")
+    assert_equal(loaded(x), total, "a loaded SavedModel's collective, again")
 
 
 @check

@@ -288,6 +288,21 @@ def test_import_is_lazy():
     assert out.stdout.strip() == "lazy"
 
 
+def test_first_collective_in_a_later_trace():
+    # In a fresh process, so that no earlier collective has run: a function traced first without a
+    # collective (a Python branch) and then with one. A token variable created at the first collective's
+    # trace was refused there ("Creating variables on a non-first call to a function").
+    code = ("import tensorflow as tf, kungfu\n"
+            "kungfu.init()\n"
+            "@tf.function\n"
+            "def f(x, sync):\n"
+            "    return kungfu.all_reduce(x) if sync else x\n"
+            "print(f(tf.ones(2), False).numpy().tolist(), f(tf.ones(2), True).numpy().tolist())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[1.0, 1.0] [1.0, 1.0]"
+
+
 def test_library_path_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("KUNGFU_LIBRARY", str(tmp_path / "lib.so"))
     assert _lib.library_path() == str(tmp_path / "lib.so")

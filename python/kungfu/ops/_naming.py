@@ -20,9 +20,14 @@ the workers then wait on different keys until the timeout. Pass `name=` to such 
 
 Tokens. Every collective op takes a resource input, the token (see kf_ops/collective_ops.cc). TF's
 automatic control dependencies order stateful ops that share a resource tensor and run stateful
-ops with no resource input one after another. Each call gets a fresh token tensor (an IdentityN
-of one hidden variable's handle), so independent collectives are in flight together, and each
-still runs because it is stateful, even when its output is unused.
+ops with no resource input one after another. Each call in a graph gets a fresh token tensor, a
+VarHandleOp of its own in that graph (the ops never read the resource, so it is never created), so
+independent collectives are in flight together, and each still runs because it is stateful, even
+when its output is unused. Only these small handle ops run one after another. Being the graph's own,
+the token captures nothing: a function can be traced again with its first collective (a Python
+branch), or saved with tf.saved_model.save, where a captured variable would be refused ("Creating
+variables on a non-first call", "untracked resource"). Eagerly, ops run one at a time anyway, and
+every call takes one hidden variable's handle.
 
 XLA. The ops have no XLA kernels, so a collective traced in a function that XLA compiles
 (jit_compile=True, which Keras's model.compile picks by itself when a GPU is visible) is refused at
@@ -52,7 +57,7 @@ _lock = threading.Lock()
 _eager_counts = collections.Counter()  # "<key scope>/<op>" (or op type) -> eager calls so far
 _key_scopes = threading.local()  # .scope: the key scopes entered on this thread, joined by "/"
 _explicit_names = weakref.WeakKeyDictionary()  # graph -> explicit names used by collectives in it
-_token_variable = None  # created on first use, outside any function
+_token_variable = None  # eager calls' token, created on first use
 _eager_keys = {}  # explicit name -> its key as an eager string tensor
 _MAX_EAGER_KEYS = 4096  # past this many distinct names the cache starts over
 
@@ -154,6 +159,9 @@ def _claim(graph, name, op):
 
 def token(eager=None):
     """A fresh ordering token for one collective call."""
+    if not (tf.executing_eagerly() if eager is None else eager):
+        with tf.device("CPU:0"):
+            return tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[], shared_name="kungfu_token")
     global _token_variable
     variable = _token_variable  # set once; the lock is for the first call only
     if variable is None:
@@ -162,7 +170,4 @@ def token(eager=None):
                 with tf.init_scope(), tf.device("CPU:0"):
                     _token_variable = tf.Variable(0, trainable=False, name="kungfu_token", dtype=tf.int32)
             variable = _token_variable
-    handle = variable.handle
-    if tf.executing_eagerly() if eager is None else eager:
-        return handle  # eager ops run one at a time anyway
-    return tf.raw_ops.IdentityN(input=[handle])[0]
+    return variable.handle
