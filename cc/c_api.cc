@@ -1,10 +1,20 @@
 // The process-wide engine behind the C API. One mutex guards the pointer; the engine itself is
 // thread-safe. A shared_ptr lets a kernel that holds the engine finish even if finalize runs.
+//
+// A child forked from a worker after kungfu_init (os.fork, multiprocessing's default "fork") gets a copy
+// of the engine's memory and its sockets, but none of its threads. Using that engine would write frames
+// into the parent's connections, and stopping it would join threads that are not there, so the child
+// never touches it: an atfork handler sets it aside for good, and every call then fails naming the fork.
 #include "cc/c_api.h"
 
+#include <pthread.h>
+#include <unistd.h>
+
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <string>
 
 #include "cc/engine.h"
@@ -14,6 +24,18 @@ namespace {
 
 std::mutex g_mu;
 std::shared_ptr<Engine> g_engine;
+std::atomic<bool> g_forked{false};  // this process is a child forked from a worker with an engine
+pid_t g_owner = 0;                  // the process whose engine g_engine is (kungfu_init's caller)
+
+// In the child, right after fork: only the forking thread exists, so g_mu may be held by a thread that
+// is gone; nothing here locks it. The parent's engine moves into storage that is never destroyed
+// (placement new: no allocation), so no destructor at the child's exit runs it.
+void AfterForkInChild() {
+  if (!g_engine) return;
+  g_forked.store(true);
+  alignas(std::shared_ptr<Engine>) static unsigned char parked[sizeof(std::shared_ptr<Engine>)];
+  new (parked) std::shared_ptr<Engine>(std::move(g_engine));
+}
 
 int Report(const Status& s, char* err, int err_len) {
   if (err != nullptr && err_len > 0) {
@@ -26,8 +48,19 @@ int Report(const Status& s, char* err, int err_len) {
 }  // namespace
 
 std::shared_ptr<Engine> GlobalEngine() {
+  if (g_forked.load(std::memory_order_relaxed)) return nullptr;
   std::lock_guard<std::mutex> lock(g_mu);
   return g_engine;
+}
+
+std::string NoEngineReason() {
+  if (g_forked.load()) {
+    return "this process (pid " + std::to_string(::getpid()) + ") was forked from KungFu worker pid " +
+           std::to_string(g_owner) +
+           " after kungfu.init(): a forked child cannot use its parent's engine (the engine's threads did not "
+           "come along, and its connections are the parent's); run collectives in the worker process itself";
+  }
+  return "kungfu is not initialized: call kungfu.init() first (or it was finalized)";
 }
 
 }  // namespace kungfu
@@ -38,6 +71,7 @@ extern "C" {
 
 int kungfu_init(const char* peers, int rank, const char* token, double timeout_seconds, uint32_t cluster_version,
                 char* err, int err_len) {
+  if (kungfu::g_forked.load()) return kungfu::Report(kungfu::FailedPrecondition(kungfu::NoEngineReason()), err, err_len);
   std::lock_guard<std::mutex> lock(kungfu::g_mu);
   if (kungfu::g_engine) {
     return kungfu::Report(kungfu::FailedPrecondition("kungfu is already initialised"), err, err_len);
@@ -59,6 +93,9 @@ int kungfu_init(const char* peers, int rank, const char* token, double timeout_s
   auto engine = kungfu::Engine::Start(config);
   if (!engine.ok()) return kungfu::Report(engine.status(), err, err_len);
   kungfu::g_engine = std::shared_ptr<kungfu::Engine>(std::move(engine.value()));
+  kungfu::g_owner = ::getpid();
+  static const int atfork = pthread_atfork(nullptr, nullptr, kungfu::AfterForkInChild);
+  (void)atfork;
   return 0;
 }
 
@@ -130,7 +167,7 @@ void kungfu_free(void* p) { std::free(p); }
 int kungfu_all_reduce(const void* in, void* out, int64_t count, int dtype, int op, const char* name, char* err,
                       int err_len) {
   auto e = kungfu::GlobalEngine();
-  if (!e) return kungfu::Report(kungfu::FailedPrecondition("call kungfu.init() first"), err, err_len);
+  if (!e) return kungfu::Report(kungfu::FailedPrecondition(kungfu::NoEngineReason()), err, err_len);
   if (!kungfu::IsValidDType(static_cast<uint8_t>(dtype)) || !kungfu::IsValidReduceOp(static_cast<uint8_t>(op))) {
     return kungfu::Report(kungfu::InvalidArgument("bad dtype or reduce op"), err, err_len);
   }

@@ -48,11 +48,15 @@ int kungfu_all_reduce(const void* in, void* out, int64_t count, int dtype, int o
 }  // extern "C"
 
 #include <memory>
+#include <string>
 namespace kungfu {
 class Engine;
 // The process-wide engine for the TF kernels; null before kungfu_init. The shared_ptr keeps the
 // engine alive while a kernel uses it, even if finalize runs concurrently.
 std::shared_ptr<Engine> GlobalEngine();
+// Why GlobalEngine() is null, for the kernels' errors: not initialized (or finalized), or this process
+// is a child forked from a worker after kungfu_init, which must never use its parent's engine.
+std::string NoEngineReason();
 }  // namespace kungfu
 #endif
 

@@ -55,8 +55,7 @@ absl::Status KeyOf(OpKernelContext* ctx, std::string* key) {
 std::shared_ptr<kungfu::Engine> EngineOrFail(OpKernelContext* ctx, const AsyncOpKernel::DoneCallback& done) {
   std::shared_ptr<kungfu::Engine> engine = kungfu::GlobalEngine();
   if (!engine) {
-    ctx->SetStatus(absl::FailedPreconditionError(
-        "kungfu is not initialized: call kungfu.init() first (or it was finalized)"));
+    ctx->SetStatus(absl::FailedPreconditionError(kungfu::NoEngineReason()));
     done();
   }
   return engine;

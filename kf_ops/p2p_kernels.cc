@@ -42,8 +42,7 @@ class SaveVariableOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ViewOf(t, &view));
     std::shared_ptr<kungfu::Engine> engine = kungfu::GlobalEngine();
     OP_REQUIRES(ctx, engine != nullptr,
-                absl::FailedPreconditionError(
-                    "kungfu is not initialized: call kungfu.init() first (or it was finalized)"));
+                absl::FailedPreconditionError(kungfu::NoEngineReason()));
     int64_t version = -1;
     kungfu::Status s = engine->Save(name, view.data, view.count, view.dtype, ShapeSignature(t.shape()), &version);
     OP_REQUIRES_OK(ctx, ToTfStatus(s));

@@ -3,6 +3,9 @@ rank-dependent order in one tf.function completes, independent collectives are i
 and identical ones run, and threads take turns. Run by tests/collectives_worker.py with its own checks.
 """
 
+import atexit
+import ctypes
+import os
 import tempfile
 import threading
 import time
@@ -61,6 +64,9 @@ def mismatches_fail_on_every_worker():
                                                          tf.zeros([3])], name="mm/gdtype"), ["mm/gdtype"]),
         "group length": (lambda: kungfu.group_all_reduce([tf.zeros([2])] * (3 if odd else 2), fusion_bytes=0,
                                                          name="mm/glen"), ["mm/glen"]),
+        # An empty list meets the others too (it used to return at once, pairing its next group with theirs).
+        "group empty": (lambda: kungfu.group_all_reduce([] if odd else [tf.zeros([2])], name="mm/gempty"),
+                        ["mm/gempty"]),
         "broadcast count": (lambda: kungfu.broadcast(np.zeros([3 if odd else 2], np.int32), name="mm/bcast"),
                             ["mm/bcast"]),
         # Same number of elements, another shape: caught by the shape signature in every frame.
@@ -210,6 +216,47 @@ def later_trace_and_saved_model():
         loaded = tf.saved_model.load(d)
     assert_equal(loaded(x), total, "a loaded SavedModel's collective")
     assert_equal(loaded(x), total, "a loaded SavedModel's collective, again")
+
+
+def _in_forked_child():
+    """What a child forked from this worker checks (no TensorFlow: TF's thread pools are not forked); returns
+    what went wrong, or None."""
+    try:
+        kungfu.all_reduce(np.ones(2, np.float32))
+        return "kungfu.all_reduce in the child raised nothing"
+    except kungfu.errors.EngineError as e:
+        if "forked" not in str(e):
+            return f"kungfu.all_reduce: {e}"
+    one, out = ctypes.c_int32(1), ctypes.c_int32(0)
+    err = ctypes.create_string_buffer(512)
+    code = _lib._library.c.kungfu_all_reduce(ctypes.byref(one), ctypes.byref(out), 1, 2, 1, b"child", err, 512)
+    if code != 9 or b"forked" not in err.value:  # FAILED_PRECONDITION, naming the fork
+        return f"the engine's C API in the child: code {code}, {err.value!r}"
+    atexit._run_exitfuncs()  # as at the child's exit: kungfu.finalize must leave the parent's engine alone
+    return None
+
+
+@check
+def forked_child_keeps_off_the_engine():
+    """A child forked after init() (os.fork, multiprocessing's default) shares the worker's connections but
+    none of the engine's threads: its collectives fail at once naming the fork, and its exit does not
+    finalize for the parent (whose peers were told it was leaving, and whose own collectives then failed)."""
+    pid = os.fork()
+    if pid == 0:
+        problem = "?"
+        try:
+            problem = _in_forked_child()
+        except BaseException as e:  # noqa: BLE001 - reported through the exit code and stderr
+            problem = f"{type(e).__name__}: {e}"
+        finally:
+            if problem:
+                os.write(2, f"forked child: {problem}\n".encode())
+            os._exit(1 if problem else 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's checks failed (its stderr says why)"
+    size = kungfu.size()
+    assert_equal(kungfu.all_reduce(tf.ones([2]), name="after_fork"), np.full([2], size, np.float32),
+                 "the parent's collective after its child exited")
 
 
 @check

@@ -31,6 +31,7 @@ _cluster = None  # kungfu._env.ClusterSpec of the running engine; None when not 
 _atexit_registered = False
 _uncaught = False  # an exception reached sys.excepthook: finalize() then skips its barrier
 _left = None  # the ClusterSpec this process left with finalize(), when it had peers: no way back in
+_forked_from = None  # in a child forked from a worker after init(): the worker's pid (see _after_fork_in_child)
 _DTYPE_INT32, _OP_SUM = 2, 1  # cc/dtype.h wire values
 
 
@@ -111,6 +112,8 @@ def init():
     from . import _env
 
     with _lock:
+        if _forked_from is not None:
+            raise errors.EngineError(_forked_message("kungfu.init()"))
         if _cluster is not None:
             return
         if _left is not None:
@@ -134,8 +137,27 @@ def init():
         _cluster = cluster
         if not _atexit_registered:
             atexit.register(finalize)
+            os.register_at_fork(after_in_child=_after_fork_in_child)
             _note_uncaught_exceptions()
             _atexit_registered = True
+
+
+def _after_fork_in_child():
+    """A child forked from this worker (os.fork, multiprocessing's "fork" start method) shares the worker's
+    connections but has none of the engine's threads: it must never run a collective or finalize (its
+    atexit would say goodbye to the peers for the parent). The engine stays the parent's (cc/c_api.cc sets
+    it aside in the child); here the Python state forgets it. Runs in the child only, with one thread:
+    no lock is taken (one held at the fork would never be released)."""
+    global _cluster, _forked_from
+    if _cluster is not None:
+        _forked_from = os.getppid()
+        _cluster = None
+
+
+def _forked_message(what):
+    return (f"{what}: this process (pid {os.getpid()}) was forked from KungFu worker pid {_forked_from} after "
+            "kungfu.init(); a forked child cannot use its parent's engine or join the cluster itself: run "
+            "collectives in the worker process, and pass results to and from child processes yourself")
 
 
 # The fix for a taken engine port that init's error names, by launcher (ClusterSpec.launcher; a lone worker
@@ -262,6 +284,8 @@ def initialized():
 def require_init(what="this"):
     """Raises NotInitializedError naming `what` unless init() has run."""
     if _cluster is None:
+        if _forked_from is not None:
+            raise errors.EngineError(_forked_message(what))
         raise errors.NotInitializedError(f"{what} needs kungfu.init() to be called first")
 
 
