@@ -162,3 +162,33 @@ def test_xla_compiled_functions_are_refused_with_the_fix():
 
     with pytest.raises(ValueError, match=r"save_variable in tf.function 'saves'.*no XLA kernels"):
         saves.get_concrete_function(tf.TensorSpec([2]))
+
+
+def test_one_explicit_name_twice_in_a_function_control_flow_included():
+    ar = kungfu.all_reduce
+
+    def traces(fn):
+        try:
+            tf.function(fn).get_concrete_function(tf.TensorSpec([2]))
+            return True
+        except ValueError as e:
+            assert "already used by another collective" in str(e)
+            return False
+
+    def nested_arms(x):
+        inner = lambda: tf.cond(x[1] > 0, lambda: ar(x, name="k"), lambda: ar(x, name="k"))  # noqa: E731
+        return tf.cond(x[0] > 0, inner, lambda: ar(x, name="k"))
+
+    def loop_and_outside(x):
+        return tf.while_loop(lambda i, y: i < 2, lambda i, y: (i + 1, ar(y, name="k")), [0, x])[1] + ar(x, name="k")
+
+    # Refused: both may run in one call, and would meet the other workers' in either order.
+    assert not traces(lambda x: ar(x, name="k") + tf.cond(x[0] > 0, lambda: ar(x, name="k"), lambda: x))
+    assert not traces(lambda x: tf.cond(x[0] > 0, lambda: ar(x, name="k"), lambda: x) +
+                      tf.cond(x[1] > 0, lambda: ar(x, name="k"), lambda: x))
+    assert not traces(loop_and_outside)
+    # Allowed: the branches of one cond or switch_case, of which only one runs.
+    assert traces(lambda x: tf.cond(x[0] > 0, lambda: ar(x, name="k"), lambda: ar(x * 2, name="k")))
+    assert traces(lambda x: tf.switch_case(tf.cast(x[0], tf.int32),
+                                           [lambda: ar(x, name="k"), lambda: ar(x, name="k"), lambda: x]))
+    assert traces(nested_arms)

@@ -40,6 +40,7 @@ Graph.unique_name, and control_flow_util.GraphOrParentsInXlaContext (the check i
 
 import collections
 import contextlib
+import re
 import threading
 import weakref
 
@@ -56,7 +57,7 @@ CONTROL_FLOW_GRAPHS = frozenset({"WhileCondFuncGraph", "WhileBodyFuncGraph", "Co
 _lock = threading.Lock()
 _eager_counts = collections.Counter()  # "<key scope>/<op>" (or op type) -> eager calls so far
 _key_scopes = threading.local()  # .scope: the key scopes entered on this thread, joined by "/"
-_explicit_names = weakref.WeakKeyDictionary()  # graph -> explicit names used by collectives in it
+_explicit_names = weakref.WeakKeyDictionary()  # tf.function graph -> {explicit name: [_arms of each use]}
 _token_variable = None  # eager calls' token, created on first use
 _eager_keys = {}  # explicit name -> its key as an eager string tensor
 _MAX_EAGER_KEYS = 4096  # past this many distinct names the cache starts over
@@ -146,15 +147,48 @@ def key_tensor(op, name, eager=None):
     return t
 
 
+# The branch graphs of one tf.cond or tf.switch_case are named "<scope>_true_<uid>", "<scope>_false_<uid>",
+# "<scope>_branch<i>_<uid>", after the cond's own (unique) name scope.
+_BRANCH_SUFFIX = re.compile(r"_(?:true|false|branch\d+)_\d+$")
+
+
+def _arms(graph):
+    """Where graph lies inside its tf.function: for each control-flow body from the outermost down, (which
+    control-flow op, which body). Bodies of one cond share the first and are exclusive: only one runs."""
+    path = []
+    while type(graph).__name__ in CONTROL_FLOW_GRAPHS and getattr(graph, "outer_graph", None) is not None:
+        name = graph.name
+        if type(graph).__name__ == "CondBranchFuncGraph":
+            path.append((id(graph.outer_graph), _BRANCH_SUFFIX.sub("", name), name))
+        else:  # a while loop's condition and body both run, one after the other, with the rest in flight
+            path.append((id(graph.outer_graph), name, name))
+        graph = graph.outer_graph
+    return tuple(reversed(path))
+
+
+def _exclusive(a, b):
+    """Whether collectives at arms a and b can never run in one call: they part in two bodies of one cond."""
+    for x, y in zip(a, b):
+        if x == y:
+            continue
+        return x[:2] == y[:2]
+    return False  # one lies inside the other
+
+
 def _claim(graph, name, op):
-    # Collectives of one graph are in flight together, and two with one key would be matched across
-    # workers in whatever order they happen to start.
+    # Collectives of one tf.function are in flight together, control-flow bodies included, and two with one
+    # key would be matched across workers in whatever order they happen to start; the exclusive branches
+    # of one cond may share a name.
+    arms = _arms(graph)
     with _lock:
-        names = _explicit_names.setdefault(graph, set())
-        if name in names:
-            raise ValueError(f"{op}: name {name!r} is already used by another collective in this tf.function; "
-                             "collectives that run together need distinct names")
-        names.add(name)
+        claims = _explicit_names.setdefault(function_graph(graph), {})
+        for other in claims.get(name, ()):
+            if not _exclusive(arms, other):
+                raise ValueError(
+                    f"{op}: name {name!r} is already used by another collective in this tf.function (control-flow "
+                    "bodies included); collectives that run together need distinct names (only the branches of "
+                    "one tf.cond or tf.switch_case may share one)")
+        claims.setdefault(name, []).append(arms)
 
 
 def token(eager=None):
