@@ -70,6 +70,7 @@ def group_all_reduce_values():
             ys = kungfu.group_all_reduce(xs, op=op, fusion_bytes=fusion_bytes)
             for k, ((s, d), y) in enumerate(zip(specs, ys)):
                 assert_equal(y, expected_reduce(s, d, op, size, salt=k), f"{op} fusion={fusion_bytes} #{k}")
+    assert kungfu.group_all_reduce([]) == [], "an empty group"
 
 
 def _squares(x):

@@ -83,12 +83,14 @@ def group_all_reduce(xs, op="sum", name=None, fusion_bytes=None):
     if fusion_bytes is not None and (not isinstance(fusion_bytes, int) or fusion_bytes < 0):
         raise ValueError(f"group_all_reduce: fusion_bytes must be an int >= 0, got {fusion_bytes!r}")
     xs = [_tensor(x, REDUCE_DTYPES, "group_all_reduce") for x in xs]
-    if not xs:
-        return []
     key, token, eager = _naming.call_inputs("group_all_reduce", name)
     extra = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}
-    return list(_lib.op_module().kf_group_all_reduce(xs, key, token, reduce_op=op, blocking=eager,
-                                                     **extra))
+    # An empty list still meets the other workers (as one empty tensor), so that a worker whose list is
+    # empty while another's is not fails with the others instead of returning at once, which would pair
+    # its next group with their current one.
+    outs = _lib.op_module().kf_group_all_reduce(xs or [tf.zeros([0], tf.float32)], key, token, reduce_op=op,
+                                                blocking=eager, **extra)
+    return list(outs) if xs else []
 
 
 NORM_DTYPES = _DTypes((tf.float16, tf.bfloat16, tf.float32, tf.float64))  # group_all_reduce_with_norms's
