@@ -112,6 +112,9 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   void OnSendDone(uint64_t op_id);
   void ReportSent();  // OnSendDone for every id in sent_
   int AfterEvents();  // flush, deadlines; returns the loop's next sleep in ms
+  // Moves every deadline the loop keeps (collectives, peer-to-peer requests, judge_at_) later by lost:
+  // time this process was not run (EventLoop::TakeStall). See AfterEvents.
+  void Postpone(Clock::duration lost);
   bool Busy() const;  // work in flight that needs the loop (see EventLoop::Start)
   ActiveOp* FindById(uint64_t op_id, std::map<Key, ActiveOp>::iterator* it);
   std::string Describe(const Op& op) const;

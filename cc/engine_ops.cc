@@ -325,6 +325,32 @@ void Engine::Impl::Judge(int peer, const Status& s) {
   for (uint64_t id : ids) Fail(id, dead_[peer], false);
 }
 
+// Deadlines. Every collective and peer-to-peer request gets KUNGFU_TIMEOUT on the monotonic clock when it
+// starts (StartOp, PeerToPeer::Start), a half-closed peer a short grace (judge_at_), and they are checked
+// here, once per loop iteration, by whichever thread drives the loop. That clock keeps running while the
+// process is stopped (Ctrl-Z to kfrun, which stops every worker; a Slurm suspend), so without more a job
+// resumed after a stop longer than the timeout failed its collectives in flight at once. The loop thus
+// counts the time it was not run: it wakes at least every 20 ms while anything here has a deadline (see
+// the return below), and a read of the clock that comes more than StallMeter::kSlack (1 s) later than the
+// loop asked to sleep means the process was stopped or starved meanwhile (EventLoop::TakeStall). Every
+// deadline then moves later by that lateness (Postpone), before any is checked. Each worker measures its
+// own stop: workers stopped together and resumed a little apart each keep their full timeout, while
+// the peers of one worker stopped alone saw no gap and still time out on it. With no such gap nothing
+// changes. The deadlines of start-up (connecting, handshakes) and of Shutdown's drain run on other
+// threads and are not moved.
+void Engine::Impl::Postpone(Clock::duration lost) {
+  for (auto& [key, a] : ops_) a.deadline += lost;
+  for (auto& at : judge_at_) {
+    if (at) *at += lost;
+  }
+  p2p_.Postpone(lost);
+  if (!ops_.empty() || !p2p_.idle()) {
+    KF_LOG(Info) << "rank " << rank() << ": this process did not run for "
+                 << std::chrono::duration<double>(lost).count() << " s (stopped or starved); moved the deadlines of "
+                 << ops_.size() << " collective(s) and the requests in flight later by that";
+  }
+}
+
 int Engine::Impl::AfterEvents() {
   bool pending_writes = false;
   ReportSent();
@@ -345,6 +371,7 @@ int Engine::Impl::AfterEvents() {
     pending_writes = pending_writes || !empty;
   }
   const Deadline now = Clock::now();
+  if (const Clock::duration lost = loop_.TakeStall(now); lost > Clock::duration(0)) Postpone(lost);
   bool judging = false;
   for (int p = 0; p < size(); ++p) {
     if (judge_at_[p] && now >= *judge_at_[p]) Judge(p, judge_why_[p]);

@@ -223,6 +223,10 @@ void PeerToPeer::ExpireOverdue(Deadline now) {
   for (auto& [id, s] : expired) Finish(id, s);
 }
 
+void PeerToPeer::Postpone(Clock::duration lost) {
+  for (auto& [id, f] : requests_) f.deadline += lost;
+}
+
 void PeerToPeer::CancelAll(const Status& why) {
   std::vector<uint32_t> ids;
   for (const auto& [id, f] : requests_) ids.push_back(id);

@@ -76,6 +76,8 @@ class PeerToPeer {
   void OnPeerGone(int peer, const Status& why);
   // Fails the requests whose deadline is at or before now.
   void ExpireOverdue(Deadline now);
+  // Moves every request's deadline later by lost (time this process was not run).
+  void Postpone(Clock::duration lost);
   // Fails every request (shutdown).
   void CancelAll(const Status& why);
   bool idle() const { return requests_.empty(); }

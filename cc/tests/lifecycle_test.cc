@@ -10,6 +10,7 @@
 #include "cc/engine.h"
 #include "cc/tests/cluster.h"
 #include "cc/tests/testing.h"
+#include "cc/transport/event_loop.h"
 #include "cc/transport/socket.h"
 
 namespace kungfu {
@@ -314,6 +315,83 @@ TEST(Errors, ATimeoutFailsTheCollectiveAtALatePeerToo) {
     float z = 1;
     EXPECT_OK(engines[r]->AllReduceSync(&z, &z, 1, DType::kFloat32, ReduceOp::kSum, "after"));
   });
+}
+
+// Time the loop was not run (a stopped process) is what a read of the clock comes later than allowed:
+// the sleep the loop asked for, plus a slack of a second; nothing while it could sleep without limit.
+TEST(Stop, StallMeterCountsOnlyWhatIsLatePastTheSlack) {
+  using std::chrono::milliseconds;
+  const auto t0 = StallMeter::Clock::time_point() + std::chrono::hours(1);
+  const auto zero = StallMeter::Clock::duration(0);
+  StallMeter m;
+  EXPECT_TRUE(m.Read(t0) == zero);  // the first read has nothing to compare with
+  m.Asked(20);
+  EXPECT_TRUE(m.Read(t0 + milliseconds(1000)) == zero);  // 980 ms late: within the slack
+  m.Asked(20);
+  EXPECT_TRUE(m.Read(t0 + milliseconds(9020)) == milliseconds(8000));  // stopped 8 s past the 20 ms asked
+  EXPECT_TRUE(m.Read(t0 + milliseconds(9500)) == zero);  // work between two reads, within the slack
+  EXPECT_TRUE(m.Read(t0 + milliseconds(12500)) == milliseconds(3000));  // stopped in the middle of work
+  m.Asked(-1);
+  EXPECT_TRUE(m.Read(t0 + std::chrono::hours(2)) == zero);  // idle, nothing to time out: never counted
+  m.Asked(1000);
+  EXPECT_TRUE(m.Read(t0 + std::chrono::hours(2) + milliseconds(2000)) == zero);
+}
+
+namespace {
+// Holds e's loop for `hold`: a collective of its own that it cancels, whose callback runs on the
+// loop thread and sleeps there, as if the process were stopped. Returns once the hold has begun.
+void HoldLoop(Engine& e, const std::string& name, std::chrono::milliseconds hold) {
+  auto begun = std::make_shared<std::atomic<bool>>(false);
+  static float unused = 0;
+  e.AllReduce(&unused, &unused, 1, DType::kFloat32, ReduceOp::kSum, name, [begun, hold](const Status&) {
+    *begun = true;
+    std::this_thread::sleep_for(hold);
+  });
+  e.Cancel(name, Cancelled("holding the loop"));
+  while (!*begun) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+}  // namespace
+
+// Every worker stopped for longer than the timeout (Ctrl-Z to kfrun): the collective and the request in
+// flight on rank 1 do not time out when the workers go on, since neither loop ran meanwhile. Rank 0's loop
+// is held first (it cannot answer rank 1's request), then rank 1's, with its collective and request in
+// flight, both for 2.5 s against a 1.5 s timeout; then rank 0 joins the collective.
+TEST(Stop, TimeNotRunDoesNotCountAgainstTheDeadline) {
+  const auto hold = std::chrono::milliseconds(2500);
+  auto engines = StartCluster(2, [](EngineConfig& c) { c.timeout_seconds = 1.5; });
+  float w = 7;
+  EXPECT_OK(engines[0]->Save("w", &w, 1, DType::kFloat32));
+  HoldLoop(*engines[0], "hold0", hold);
+  float got = 0, x = 1;
+  Waiter req, coll;
+  engines[1]->Request(0, "w", &got, 1, DType::kFloat32, 0, [&](const Status& s, int64_t) { req.Callback()(s); });
+  engines[1]->AllReduce(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "x", coll.Callback());
+  HoldLoop(*engines[1], "hold1", hold);
+  std::this_thread::sleep_for(hold);  // rank 0's hold is over
+  float y = 2;
+  EXPECT_OK(engines[0]->AllReduceSync(&y, &y, 1, DType::kFloat32, ReduceOp::kSum, "x"));
+  EXPECT_OK(coll.Wait());
+  EXPECT_OK(req.Wait());
+  EXPECT_EQ(x, 3.f);
+  EXPECT_EQ(y, 3.f);
+  EXPECT_EQ(got, 7.f);
+}
+
+// One worker stopped alone: its peer saw no gap and times out on it as before, at its own deadline;
+// the stopped one, going on, fails the collective too (the peer's abort).
+TEST(Stop, APeerNotStoppedStillTimesOutOnTheStoppedOne) {
+  auto engines = StartCluster(2, [](EngineConfig& c) { c.timeout_seconds = 1; });
+  HoldLoop(*engines[1], "hold", std::chrono::milliseconds(2500));
+  const auto t0 = std::chrono::steady_clock::now();
+  float x = 1, y = 1;
+  Status s = engines[0]->AllReduceSync(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "x");
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_EQ(CodeName(s.code()), CodeName(Code::kDeadlineExceeded));
+  EXPECT_TRUE(secs < 2);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1700));  // rank 1's hold is over, the abort read
+  s = engines[1]->AllReduceSync(&y, &y, 1, DType::kFloat32, ReduceOp::kSum, "x");
+  EXPECT_EQ(CodeName(s.code()), CodeName(Code::kDeadlineExceeded));
+  EXPECT_TRUE(s.message().find("reported by peer") != std::string::npos);
 }
 
 }  // namespace

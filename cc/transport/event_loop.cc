@@ -136,6 +136,8 @@ int EventLoop::Iterate(int wait_ms, bool* active, bool loop_thread) {
   constexpr int kMaxEvents = 64;
   epoll_event events[kMaxEvents];
   const int n = ::epoll_wait(epoll_fd_, events, kMaxEvents, wait_ms);
+  // Before anything below can set a deadline: a stop during the sleep counts against the older ones only.
+  stalled_ += stall_meter_.Read(std::chrono::steady_clock::now());
   *active = n > 0;
   for (int i = 0; i < n; ++i) {
     const int fd = events[i].data.fd;
@@ -161,7 +163,15 @@ int EventLoop::Iterate(int wait_ms, bool* active, bool loop_thread) {
   }
   for (auto& t : tasks) t();
   if (!tasks.empty()) *active = true;
-  return after_events_ ? after_events_() : -1;
+  const int sleep_ms = after_events_ ? after_events_() : -1;
+  stall_meter_.Asked(sleep_ms);
+  return sleep_ms;
+}
+
+std::chrono::steady_clock::duration EventLoop::TakeStall(std::chrono::steady_clock::time_point now) {
+  const auto lost = stalled_ + stall_meter_.Read(now);
+  stalled_ = std::chrono::steady_clock::duration(0);
+  return lost;
 }
 
 namespace {

@@ -10,12 +10,20 @@
 //
 // Each iteration polls for I/O, handles it, runs posted tasks, then calls the owner's AfterEvents()
 // hook (flush sends, check deadlines), which says how long the loop may sleep.
+//
+// Time not run. Deadlines are on the monotonic clock, which keeps going while the process is stopped
+// (Ctrl-Z, SIGSTOP, a Slurm suspend). The loop notices such a stop from the clock: it reads it when it
+// wakes and where the owner checks deadlines (TakeStall), and between two reads it may take as long as
+// the sleep after_events asked for, plus StallMeter::kSlack. What goes beyond that is time it was not
+// run (stopped, or starved of the CPU), which TakeStall hands to the owner to move its deadlines by.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <unordered_map>
 #include <vector>
@@ -23,6 +31,41 @@
 #include "cc/status.h"
 
 namespace kungfu {
+
+// The arithmetic of "time not run" (above), on times given to it, so that tests can feed it any.
+class StallMeter {
+ public:
+  using Clock = std::chrono::steady_clock;
+  // How much later than allowed a read may come before the lateness counts: well above an iteration's
+  // work or a scheduling delay, well below a stop someone would notice.
+  static constexpr Clock::duration kSlack = std::chrono::seconds(1);
+
+  // A read of the clock: returns how long the loop was not run since the previous read (zero unless
+  // that is more than kSlack past what it was allowed). The next read is allowed nothing more, until
+  // Asked says how long the loop may now sleep.
+  Clock::duration Read(Clock::time_point now) {
+    Clock::duration lost{0};
+    if (seen_ && !unbounded_) {
+      const Clock::duration late = now - *seen_ - may_sleep_;
+      if (late > kSlack) lost = late;
+    }
+    seen_ = now;
+    may_sleep_ = Clock::duration(0);
+    unbounded_ = false;
+    return lost;
+  }
+  // The loop may now sleep ms (-1: until I/O or a post, which after_events asks only with nothing to
+  // time out, so that such a sleep is never counted).
+  void Asked(int ms) {
+    unbounded_ = ms < 0;
+    may_sleep_ = std::chrono::milliseconds(ms < 0 ? 0 : ms);
+  }
+
+ private:
+  std::optional<Clock::time_point> seen_;
+  Clock::duration may_sleep_{0};
+  bool unbounded_ = false;
+};
 
 class EventLoop {
  public:
@@ -62,6 +105,11 @@ class EventLoop {
   // goes out meanwhile (the loop thread leaves that to the caller). Never from a callback.
   void PollOnce();
 
+  // Driving thread only: how long the loop was not run (see "Time not run" above) since the last call,
+  // counting a read of the clock at now. The owner calls it where it checks deadlines, with the now it
+  // checks them against, and moves them later by what it returns.
+  std::chrono::steady_clock::duration TakeStall(std::chrono::steady_clock::time_point now);
+
   // Driving thread only.
   void Add(int fd, uint32_t events, Handler handler);
   void Modify(int fd, uint32_t events);
@@ -88,6 +136,8 @@ class EventLoop {
   std::function<int()> after_events_;
   std::function<bool()> busy_;
   int spin_us_ = 0;
+  StallMeter stall_meter_;                          // driving thread only
+  std::chrono::steady_clock::duration stalled_{0};  // driving thread only: found on waking, not yet taken
   std::unordered_map<int, Handler> handlers_;
   std::mutex mu_;  // guards posted_ and stopped_
   std::vector<std::function<void()>> posted_;
