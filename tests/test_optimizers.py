@@ -164,15 +164,31 @@ def test_fit_on_one_worker_equals_the_plain_optimizer(strategy):
         np.testing.assert_array_equal(a, b)
 
 
-def test_saved_model_loads_with_the_base_optimizer(tmp_path):
+@keras.saving.register_keras_serializable(package="KungfuTests")
+class RegisteredAdam(keras.optimizers.Adam):
+    pass
+
+
+@pytest.mark.parametrize("base", [keras.optimizers.Adam, RegisteredAdam])
+@pytest.mark.parametrize("wrap", [optimizers.SynchronousSGDOptimizer, optimizers.PairAveragingOptimizer])
+def test_saved_model_loads_with_the_base_optimizer(base, wrap, tmp_path):
+    """Also a custom optimizer registered with Keras: its wrapper is saved under the registered name
+    ("KungfuTests>RegisteredAdam"), which once was lost and load_model could not find the class."""
     model, x, y = model_and_data()
-    model.compile(optimizer=optimizers.SynchronousSGDOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    model.compile(optimizer=wrap(base(0.01)), loss="mse")
     model.fit(x, y, epochs=1, verbose=0)
     path = os.path.join(tmp_path, "model.keras")
     model.save(path)
-    loaded = keras.models.load_model(path)
-    assert type(loaded.optimizer) is keras.optimizers.Adam
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    for load in (keras.models.load_model, kungfu.keras.load_model):
+        loaded = load(path)
+        kind = type(loaded.optimizer)
+        if load is kungfu.keras.load_model:  # the base, wrapped again
+            assert kind.__mro__[1] is optimizers.DistributedMixin
+            kind = kind.__mro__[2]
+        assert kind is base
+        assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations)
+        np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0))
+    assert keras.saving.get_registered_object(keras.saving.get_registered_name(base)) in (base, None)
 
 
 def test_distributed_gradient_tape_keeps_structure_and_values():

@@ -26,7 +26,9 @@ EQUIVALENCE = ["fit_equals_single_process", "custom_loop_equals_single_process",
                "loss_scaling_skips_one_workers_overflow_everywhere",
                "unequal_steps_fail_at_once", "switch_to_ssgd_makes_every_state_agree",
                "monitors_and_a_threshold_switch_run_under_sma",
-               "sma_monitors_agree_when_a_loss_scale_skips_a_step_on_one_worker"]
+               "sma_monitors_agree_when_a_loss_scale_skips_a_step_on_one_worker",
+               "broadcast_callback_waits_for_a_subclassed_model_that_build_left_empty",
+               "pair_averaging_leaves_variables_without_gradients_alone"]
 DIGITS = ["sma_digits", "pair_averaging_digits"]
 
 

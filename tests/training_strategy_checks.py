@@ -1,7 +1,8 @@
 """Training checks of the strategies and exchange forms: a strategy switch between steps without
 retracing, IndexedSlices against densified gradients (and sparse_as_dense under every strategy),
 broadcast_variables (and its refusal of different layouts, with nothing assigned), pair averaging
-whatever the optimizers are named and only within its own model and phase, fp16 compression, every
+whatever the optimizers are named and only within its own model and phase, and over only the variables
+with gradients, fp16 compression, every
 state agreeing after a switch to S-SGD, the monitors (and a threshold switch) under SMA; and, in a launch
 of its own, workers left on different strategies failing rather than pairing up.
 Run by tests/training_worker.py with its own checks.
@@ -176,6 +177,54 @@ def pair_averaging_meets_only_its_own_model_and_phase():
     run(step_a, 2, "second")
     if not np.all(a.numpy() == 5.0):
         raise AssertionError(f"after switching back, a copy from the earlier phase was averaged in: {a.numpy()}")
+
+
+@check
+def pair_averaging_leaves_variables_without_gradients_alone():
+    """Variables whose gradient is None (an output with no loss, a frozen layer) are neither averaged nor
+    published, under every strategy; pair averaging goes on over the others, and over another set later
+    (each set has its own store name: asking for a copy of the whole model's size once failed). Coming back
+    to an earlier set begins a new phase, so copies published before count as none. lr 0 throughout: only
+    averaging moves weights. Then the same through model.fit: a layer frozen between two fits."""
+    rank = kungfu.rank()
+    a, b = tf.Variable(tf.fill([3], float(rank))), tf.Variable(tf.fill([2], float(rank)))
+    opt = kungfu.optimizers.PairAveragingOptimizer(keras.optimizers.SGD(0.0))
+    both = tf.function(lambda: opt.apply_gradients([(tf.zeros([3]), a), (tf.zeros([2]), b)]))
+    only_a = tf.function(lambda: opt.apply_gradients([(tf.zeros([3]), a), (None, b)]))
+
+    def run(step, steps, tag):
+        for i in range(steps):
+            step()
+            kungfu.barrier(name=f"pair-none/{tag}/{i}")  # every copy published before the next requests
+
+    run(both, 2, "both")
+    a.assign(tf.fill([3], float(rank)))
+    b.assign(tf.fill([2], float(rank)))
+    run(only_a, 2, "only_a")
+    if not np.all(b.numpy() == float(rank)) or np.all(a.numpy() == float(rank)):
+        raise AssertionError(f"over [a] alone, pair averaging gave a = {a.numpy()} and b = {b.numpy()}")
+    a.assign(tf.fill([3], 7.0))  # the same on every worker; the stores hold older copies of [a, b]
+    b.assign(tf.fill([2], 7.0))
+    run(both, 2, "again")
+    if not (np.all(a.numpy() == 7.0) and np.all(b.numpy() == 7.0)):
+        raise AssertionError(f"back to [a, b], an out-of-date copy was averaged in: {a.numpy()}, {b.numpy()}")
+    b.assign(tf.fill([2], float(rank)))
+    for strategy in ("sma", "ssgd"):
+        opt.strategy = strategy
+        only_a()
+    if not np.all(b.numpy() == float(rank)):
+        raise AssertionError(f"SMA or the switch to S-SGD averaged a variable without gradients: {b.numpy()}")
+
+    x, y = local_data()
+    model = make_model(100 + rank)
+    opt = kungfu.optimizers.PairAveragingOptimizer(sgd())
+    for frozen in (False, True):
+        model.layers[0].trainable = not frozen
+        model.compile(optimizer=opt, loss=loss_fn())  # the same optimizer, over fewer variables
+        before = model.layers[0].get_weights()
+        model.fit(x[:4 * LOCAL_BATCH], y[:4 * LOCAL_BATCH], batch_size=LOCAL_BATCH, shuffle=False, verbose=0)
+    if any(np.any(w != v) for w, v in zip(model.layers[0].get_weights(), before)):
+        raise AssertionError("pair averaging changed a frozen layer")
 
 
 def _bytes_sent(fn):

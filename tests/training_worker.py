@@ -13,7 +13,8 @@ model.fit, for a custom loop with DistributedGradientTape, and for opt.apply_gra
 tf.function and eagerly. Each worker computes that single-process reference itself, without the
 cluster. Workers build their models from different seeds, so the fit check also shows that
 BroadcastGlobalVariablesCallback makes them start identical (data, model and reference:
-tests/training_common.py). Also: gradient buckets in flight together, MetricAverageCallback, training
+tests/training_common.py); so it does for a model built on its first batch, or one that model.build()
+marked built without variables. Also: gradient buckets in flight together, MetricAverageCallback, training
 resumed from a saved model by kungfu.keras.load_model, gradient accumulation (one exchange per
 update, also inside a loss-scale optimizer), mixed precision with a loss-scale optimizer (an overflow
 on one worker skips the step on all), and a clear error at once when the workers' model.fit would take
@@ -38,8 +39,8 @@ import kungfu.keras  # noqa: E402
 from kungfu.keras import callbacks as kf_callbacks  # noqa: E402
 
 import training_strategy_checks  # noqa: E402
-from training_common import (CLASSES, LOCAL_BATCH, STEPS, adam, assert_close, dataset, local_data,  # noqa: E402
-                             loss_fn, make_model, reference_weights, sgd)
+from training_common import (CLASSES, FEATURES, LOCAL_BATCH, STEPS, adam, assert_close, dataset,  # noqa: E402
+                             local_data, loss_fn, make_model, reference_weights, sgd)
 
 CHECKS, check = mp.check_list()
 
@@ -72,6 +73,35 @@ def broadcast_callback_waits_for_a_model_built_on_its_first_batch():
     mask = model.layers[1](tf.ones([1, 256]), training=True).numpy()
     if kungfu.size() > 1 and bool(kungfu.consensus(mask, name="unbuilt/dropout")):
         raise AssertionError("every worker drew the same dropout mask: the broadcast copied the seed state")
+
+
+@check
+def broadcast_callback_waits_for_a_subclassed_model_that_build_left_empty():
+    """model.build(shape) marks a subclassed model with no build() method built without creating its layers'
+    variables: the callback waits for them, as for a model built on its first batch, rather than build the
+    optimizer over none (fit then failed at its first step) and take the model as broadcast."""
+    import warnings
+
+    class Subclassed(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden, self.out = keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(CLASSES)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    x, y = local_data()
+    keras.utils.set_random_seed(100 + kungfu.rank())
+    model = Subclassed()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Keras warns that build() leaves it unbuilt
+        model.build((None, FEATURES))
+    model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(adam()), loss=loss_fn())
+    model.fit(x[:4 * LOCAL_BATCH], y[:4 * LOCAL_BATCH], batch_size=LOCAL_BATCH, shuffle=False, verbose=0,
+              callbacks=[kf_callbacks.BroadcastGlobalVariablesCallback(root=0)])
+    flat = np.concatenate([np.ravel(v.numpy()) for v in model.trainable_variables + model.optimizer.variables])
+    if flat.size < FEATURES * 16 or not bool(kungfu.consensus(flat, name="built-empty/model")):
+        raise AssertionError("the workers' models differ after fit with BroadcastGlobalVariablesCallback")
 
 
 def _train_custom(step, model):

@@ -13,8 +13,12 @@ travels as one flat tensor per dtype, so each step makes one request per dtype, 
 Which copy is the right one. Each copy is stored under its model's store_prefix: the model's layout
 (dtypes and shapes) and which wrapped optimizer over that layout this is in the process (0, 1, ...),
 so two models of one architecture (an ensemble, a teacher and a student, a second run in one process)
-never meet. Each copy also ends with a tag, one more element: how many pair averaging phases have
-begun, the same on every worker since all switch at the same step (whatever steps each took before).
+never meet. Only the variables with gradients are exchanged (a frozen layer's, an unused head's are left
+alone): a part of the model is stored under a prefix of its own (part_prefix), so what a worker requests
+always has the size of what its peers published under that name. Each copy also ends with a tag, one more
+element: how many pair averaging phases have begun (on entering pair averaging, and on a step over another
+set of variables than the step before), the same on every worker since all switch at the same step
+(whatever steps each took before).
 A copy with another tag, left from an earlier phase before a switch away and back, counts as none. A peer that has
 published nothing in this phase yet (the first step, or just after a switch to this strategy), or
 that has left the cluster (it finished its steps first and finalized), answers none, and the worker
@@ -71,6 +75,15 @@ def new_store_prefix(variables):
         n = _instances[key]
         _instances[key] += 1
     return f"{key}/{n}"
+
+
+def part_prefix(prefix, indices, count):
+    """The store prefix of the copies of a part of a model: the model's prefix, and for a part (the variables
+    at `indices` in the optimizer's list of `count`, in the order exchanged) a key of those positions, which
+    every worker shares. Two parts of one layout (two alike layers, either frozen) never meet."""
+    if list(indices) == list(range(count)):
+        return prefix
+    return f"{prefix}/part-{zlib.crc32(','.join(map(str, indices)).encode()):08x}"
 
 
 def store_name(prefix, dtype):

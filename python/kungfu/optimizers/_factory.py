@@ -1,9 +1,9 @@
 """How a distributed optimizer is made: DistributedOptimizer(opt) and the three named constructors.
 
 DistributedOptimizer makes (once per base class) a subclass of type(opt) with DistributedMixin
-(_wrapper.py) in front, keeping the base's name and module, so that Keras serializes it as the base
-class; then it builds a new instance from opt's settings (_rebuild) and attaches the KungFu settings,
-monitors and compiled policies.
+(_wrapper.py) in front, keeping the base's name, module and Keras registered name, so that Keras
+serializes it as the base class; then it builds a new instance from opt's settings (_rebuild) and
+attaches the KungFu settings, monitors and compiled policies.
 """
 
 from .. import monitor as _monitor
@@ -58,6 +58,7 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
         # Same name and module as the base: Keras serializes the optimizer as the base class.
         cls = type(base.__name__, (DistributedMixin, base), {"__module__": base.__module__,
                                                               "__qualname__": base.__qualname__})
+        _serialize_as(cls, base)
         _classes[base] = cls
     wrapped = _rebuild(optimizer, cls)
     wrapped._kungfu = _Settings(strategy, float(alpha), fusion_bytes, bool(sparse_as_dense), compression)
@@ -80,6 +81,21 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     elif dataset is not None:
         raise ValueError("DistributedOptimizer: dataset= is for policies=[...]")
     return wrapped
+
+
+def _serialize_as(cls, base):
+    """Makes Keras name cls in a saved config as it names base. Keras looks a class's registered name up by the
+    class object, so a base registered with keras.saving.register_keras_serializable ("MyPkg>MyAdam") would
+    otherwise be saved as plain "MyAdam", which load_model cannot find. cls gets the base's name, and the
+    name keeps loading the base itself (a saved model loads with the plain base optimizer)."""
+    import keras
+
+    name = keras.saving.get_registered_name(base)
+    if ">" not in name or keras.saving.get_registered_object(name) is not base:
+        return  # not registered: saved by module and class name, which are the base's already
+    package, _, short = name.partition(">")
+    keras.saving.register_keras_serializable(package, short)(cls)
+    keras.saving.get_custom_objects()[name] = base
 
 
 def _rebuild(optimizer, cls):

@@ -17,6 +17,7 @@ a strategy variable (an int32 tf.Variable), then lets the base optimizer apply t
   sma:  variables move toward the workers' mean (all-reduce of the model); own gradients;
   pair_averaging: variables averaged with a random peer's published model; own gradients; after
         the update, the model is published (a second switch, on the same variable).
+Variables whose gradient is None take part in none of them: neither exchanged, averaged nor published.
 The step function is traced once; changing the strategy is one variable assignment, with no
 retrace. The switch must happen at the same step on every worker (a collective in one branch waits
 for the same collective on every worker): set it on every worker between the same two steps, or
@@ -67,7 +68,11 @@ class _Settings:
             self.last_strategy = tf.Variable(-1, trainable=False, dtype=tf.int32, name="kungfu_last_strategy")
             self.pair_phase = tf.Variable(0, trainable=False, dtype=tf.int64, name="kungfu_pair_phase")
             self.sma_steps = tf.Variable(0, trainable=False, dtype=tf.int64, name="kungfu_sma_steps")
-        self.store_prefix = None  # pair averaging's, given when the exchange is first traced
+            # Which set of variables the latest step exchanged (-1: none yet; ids from pair_sets): a step
+            # over another set (a layer frozen, an output left without loss) begins a pair averaging phase.
+            self.last_set = tf.Variable(-1, trainable=False, dtype=tf.int32, name="kungfu_last_set")
+        self.store_prefix = None  # pair averaging's for the whole model, given when the exchange is first traced
+        self.pair_sets = {}  # the exchanged variables' indices in the optimizer -> (their store prefix, an id)
         self.alpha = alpha
         self.fusion_bytes = fusion_bytes
         self.sparse_as_dense = sparse_as_dense
@@ -191,12 +196,15 @@ class DistributedMixin:
                 self.built = True
         if len(grads) != len(variables):
             raise ValueError(f"apply: got {len(grads)} gradients for {len(variables)} variables")
+        self._check_variables_are_known(variables)  # Keras's own error, before the exchange looks them up
+        # Variables without a gradient are left alone by every strategy: neither averaged nor published.
+        live = [v for g, v in zip(grads, variables) if g is not None]
         steps, accumulator = _keras.accumulating(self)
         if steps and self._kungfu.monitors is None:
             is_update = tf.equal((accumulator._iterations + 1) % steps, 0)  # as the base class decides it
             if accumulator is not self:  # a LossScaleOptimizer's inner optimizer
                 _accumulation.apply_scaled_accumulated(self, super().apply, grads, variables, is_update, accumulator)
-                self._kungfu_publish(variables, is_update)
+                self._kungfu_publish(live, is_update)
                 return
             with tf.name_scope("kungfu"):
                 grads = _accumulation.exchange_accumulated(self, grads, variables, is_update)
@@ -205,7 +213,7 @@ class DistributedMixin:
             with tf.name_scope("kungfu"):
                 grads = self._kungfu_exchange(grads, variables)
         super().apply(grads, variables)
-        self._kungfu_publish(variables, is_update)
+        self._kungfu_publish(live, is_update)
 
     def _kungfu_exchange(self, grads, variables):
         """The strategy's work before the update; returns the gradients to apply."""
@@ -215,16 +223,21 @@ class DistributedMixin:
         if kf.sparse_as_dense:  # before the branches, which must all return the same structure
             g_live = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in g_live]
 
-        if kf.store_prefix is None:
-            kf.store_prefix = _averaging.new_store_prefix(variables)
+        prefix, set_id = self._kungfu_pair_store(v_live)
         # Assigned by hand, strategy_variable may hold an index of none: fail the step, naming it.
         current = checked_index(kf.strategy.read_value(), f"{self.name}: strategy_variable holds")
         last = kf.last_strategy.read_value()
         switched = tf.logical_and(tf.not_equal(current, last), tf.greater_equal(last, 0))
         pair_index, sma_index = strategy_index("pair_averaging"), strategy_index("sma")
-        entering_pair = tf.logical_and(tf.equal(current, pair_index), tf.not_equal(last, pair_index))
+        # A new phase on entering pair averaging, or on a step over another set of variables than the last
+        # one's: a peer's copy of this set published before (say, before a layer was frozen and unfrozen
+        # again) is out of date, and must count as none.
+        new_set = tf.not_equal(kf.last_set.read_value(), set_id)
+        entering_pair = tf.logical_and(tf.equal(current, pair_index),
+                                       tf.logical_or(tf.not_equal(last, pair_index), new_set))
         phase = kf.pair_phase.assign(tf.where(entering_pair, kf.pair_phase + 1, kf.pair_phase))
         kf.last_strategy.assign(current)
+        kf.last_set.assign(set_id)
 
         def ssgd():
             # Coming from another strategy, the workers' models (and optimizer states) have drifted
@@ -258,7 +271,7 @@ class DistributedMixin:
             return g_live
 
         def pair():
-            _averaging.pair_average(v_live, kf.store_prefix, self.iterations, phase)
+            _averaging.pair_average(v_live, prefix, self.iterations, phase)
             return g_live
 
         def scoped(name, fn):
@@ -319,13 +332,33 @@ class DistributedMixin:
             _variables.broadcast_variables(copied, root=0)
         return tf.constant(True)
 
+    def _kungfu_pair_store(self, variables):
+        """(the store prefix of pair averaging's copies of `variables`, a small id of that set): the whole
+        model's prefix (_averaging.new_store_prefix, given once), and for a part of it (variables whose
+        gradients were None left out) a prefix of that part's own, so that what a worker requests is always
+        what its peers published under that name."""
+        kf = self._kungfu
+        everything = getattr(self, "_trainable_variables", None) or list(variables)
+        if kf.store_prefix is None:
+            kf.store_prefix = _averaging.new_store_prefix(everything)
+        indices = tuple(self._get_variable_index(v) for v in variables)
+        found = kf.pair_sets.get(indices)
+        if found is None:
+            found = kf.pair_sets[indices] = (_averaging.part_prefix(kf.store_prefix, indices, len(everything)),
+                                             len(kf.pair_sets))
+        return found
+
     def _kungfu_publish(self, variables, is_update=None):
+        """Publishes `variables` (those of the step's exchange) for the peers' pair averaging, when it runs."""
+        if not variables:
+            return
+        prefix = self._kungfu_pair_store(variables)[0]
         is_pair = tf.equal(self._kungfu.strategy, strategy_index("pair_averaging"))
         if is_update is not None:  # with gradient accumulation, the model changes only on updates
             is_pair = tf.logical_and(is_pair, is_update)
 
         def publish():
-            _averaging.publish(variables, self._kungfu.store_prefix, self._kungfu.pair_phase.read_value())
+            _averaging.publish(variables, prefix, self._kungfu.pair_phase.read_value())
             return tf.constant(True)
 
         tf.cond(is_pair, publish, lambda: tf.constant(False))

@@ -16,7 +16,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     Workers then start identical even when each built its model from a different random seed, or
     when root restored a checkpoint the others do not have. A model that Keras builds on its first
-    batch (a subclassed model, a Sequential without keras.Input) has no variables before fit's first
+    batch (a subclassed model, a Sequential without keras.Input; also a subclassed model with no build()
+    method that model.build(shape) marked built, creating no variables) has none before fit's first
     step; it is broadcast before the second step instead (as Horovod does), so the first step's
     update is root's. Of the batch hooks only on_train_batch_begin is overridden, so Keras keeps its
     asynchronous batch dispatch.
@@ -44,6 +45,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._broadcast_for = None  # a weakref to the model last broadcast (a reused callback meets new ones)
         self._check_epochs = False  # compare each epoch's batches (fit did not know the count)
         self._batches = 0  # on_train_batch_begin calls in this epoch
+        self._hooks = 0  # on_train_batch_begin calls in this fit (from the second on, a step has run)
 
     @property
     def _done(self):
@@ -58,6 +60,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         model = self.model
         optimizer = getattr(model, "optimizer", None)
         self._check_epochs = False
+        self._hooks = 0
         if not isinstance(optimizer, DistributedMixin) or optimizer.strategy != "pair_averaging":
             steps = self.params.get("steps")
             _check_same_steps(steps)  # pair averaging waits for no one's step
@@ -69,8 +72,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_batch_begin(self, batch, logs=None):
         self._batches += 1
+        self._hooks += 1
         if not self._done:  # the model was built by fit's first step
-            self._broadcast_once()
+            self._broadcast_once(stepped=self._hooks > 1)
 
     def on_epoch_end(self, epoch, logs=None):
         # Batches begun, which workers with the same data count alike (Keras begins one more for the fetch
@@ -81,17 +85,19 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         if not self._done:  # a fit of one step
-            self._broadcast_once()
+            self._broadcast_once(stepped=self._hooks > 0)
 
-    def _broadcast_once(self):
+    def _broadcast_once(self, stepped=False):
+        """Broadcasts the model once it is built; stepped: a training step has run (so it is as built as
+        it will be, even if a layer that its call never uses has no variables)."""
         model = self.model
-        if self._done or not model.built:  # Keras builds it on the first batch
+        if self._done or not _built(model, stepped):  # Keras builds it on the first batch
             return
         optimizer = getattr(model, "optimizer", None)
         seeds = _seed_states(model)
         variables = [v for v in model.variables if id(v) not in seeds]
         if optimizer is not None:
-            if not optimizer.built:
+            if not optimizer.built and not stepped:  # over the complete list, as Keras's own fit would
                 optimizer.build(model.trainable_variables)
             # Keras 3's own list (also read by the optimizer wrapper's accumulation; the gradient
             # accumulation checks of tests/training_worker.py fail if an upgrade renames it).
@@ -99,6 +105,15 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             variables += [v for v in optimizer.variables if id(v) not in own]
         _variables.broadcast_variables(variables, root=self.root, name="kungfu/broadcast_global_variables")
         self._broadcast_for = weakref.ref(model)
+
+
+def _built(model, stepped):
+    """Whether model has its variables. model.built alone does not say: model.build(shape) on a subclassed
+    model with no build() method marks it built and creates none of its layers' variables (Keras 3.15
+    warns). So every layer must be built too, Keras's own test before fit; or a step must have run."""
+    if not model.built:
+        return False
+    return stepped or all(layer.built for layer in model._flatten_layers(include_self=False))
 
 
 def _seed_states(model):
