@@ -225,6 +225,43 @@ def barrier_and_consensus():
     assert bool(a) and bool(b) == (size == 1), "in function"
 
 
+@check
+def gradients_through_collectives():
+    """tape.gradient through each collective, eagerly and in a tf.function: the gradient of the sum of all
+    workers' losses, where worker k's loss weighs the collective's output by k + 1 (Horovod's definitions,
+    kungfu/ops/_gradients.py). Worker k's w is k + 1, and d(w*w)/dw = 2w."""
+    rank, size = kungfu.rank(), kungfu.size()
+    w = tf.Variable(tf.fill([3], float(rank + 1)))
+    c = float(rank + 1)
+    total_c = size * (size + 1) / 2  # the sum of the workers' weights
+    # all_gather's output weighs row j by j + 1; this worker's rows are 3 * rank + 1 ... 3 * rank + 3.
+    gathered_rows = np.arange(1.0, 4.0) + 3 * rank
+    cases = {
+        "all_reduce sum": (lambda: c * kungfu.all_reduce(w * w), total_c),
+        "all_reduce mean": (lambda: c * kungfu.all_reduce(w * w, op="mean"), total_c / size),
+        "group_all_reduce": (lambda: c * kungfu.group_all_reduce([w * w, 2 * w])[0], total_c),
+        "broadcast": (lambda: c * kungfu.broadcast(w * w, root=size - 1), total_c if rank == size - 1 else 0.0),
+        "all_gather": (lambda: c * tf.range(1.0, 1.0 + 3 * size) * kungfu.all_gather(w * w),
+                       total_c * gathered_rows),
+    }
+    for what, (fn, weight) in cases.items():
+        def grad(fn=fn):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(fn())
+            return tape.gradient(loss, w)
+
+        want = (np.ones(3) * weight * 2 * (rank + 1)).astype(np.float32)
+        assert_equal(grad(), want, f"{what}, eagerly")
+        assert_equal(tf.function(grad)(), want, f"{what}, in a tf.function")
+    try:
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(kungfu.all_reduce(w * w, op="max"))
+        tape.gradient(loss, w)
+        raise AssertionError("a gradient through all_reduce(op='max') raised nothing")
+    except ValueError as e:
+        assert "sum and mean only" in str(e), e
+
+
 def run_checks():
     return mp.run_checks(CHECKS + collectives_meeting_checks.CHECKS, kungfu.rank())
 

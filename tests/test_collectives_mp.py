@@ -26,6 +26,7 @@ FAILURES = os.path.join(REPO, "tests", "failures_worker.py")
 CHECKS = ["all_reduce_values_eager", "all_reduce_values_in_one_function", "group_all_reduce_values",
           "group_all_reduce_with_norms_values",
           "broadcast_from_every_root", "all_gather_differing_first_dims", "python_objects", "barrier_and_consensus",
+          "gradients_through_collectives",
           "mismatches_fail_on_every_worker", "rank_dependent_order_in_one_function",
           "independent_collectives_run_together", "unused_and_identical_collectives_run", "later_trace_and_saved_model",
           "forked_child_keeps_off_the_engine",

@@ -89,6 +89,9 @@ def load():
             ops = tf.load_op_library(path)
             cdll = ctypes.CDLL(path)
             _declare(cdll)
+            from .ops import _gradients
+
+            _gradients.register()  # with the ops: a SavedModel's loaded functions need them too
             _library = _Library(path, ops, cdll)
         return _library
 

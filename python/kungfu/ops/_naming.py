@@ -21,7 +21,8 @@ the workers then wait on different keys until the timeout. Pass `name=` to such 
 Tokens. Every collective op takes a resource input, the token (see kf_ops/collective_ops.cc). TF's
 automatic control dependencies order stateful ops that share a resource tensor and run stateful
 ops with no resource input one after another. Each call in a graph gets a fresh token tensor, a
-VarHandleOp of its own in that graph (the ops never read the resource, so it is never created), so
+VarHandleOp of its own in that graph, through a StopGradient (the ops never read the resource, so it is
+never created; see token() for the StopGradient), so
 independent collectives are in flight together, and each still runs because it is stateful, even
 when its output is unused. Only these small handle ops run one after another. Being the graph's own,
 the token captures nothing: a function can be traced again with its first collective (a Python
@@ -195,7 +196,10 @@ def token(eager=None):
     """A fresh ordering token for one collective call."""
     if not (tf.executing_eagerly() if eager is None else eager):
         with tf.device("CPU:0"):
-            return tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[], shared_name="kungfu_token")
+            handle = tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[], shared_name="kungfu_token")
+            # Not differentiable, so that walks for variables along differentiable ops (tf.custom_gradient's
+            # around a collective, which has a gradient) stop here instead of taking it for a variable.
+            return tf.raw_ops.StopGradient(input=handle)
     global _token_variable
     variable = _token_variable  # set once; the lock is for the first call only
     if variable is None:
