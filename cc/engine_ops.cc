@@ -71,7 +71,11 @@ void Engine::Impl::Dispatch(ActiveOp& a, int src, const FrameHeader& h, const ch
     // Before the algorithm's own checks, so this also catches what differs in the element count.
     return Fail(id,
                 InvalidArgument("peer " + config_.peers.Describe(src) + " passed a tensor of another shape or dtype (" +
-                                std::to_string(h.count) + " elements there)"),
+                                std::to_string(h.count) + " elements there" +
+                                (std::string(op->kind()) == "allreduce"
+                                     ? "; for gradients, a gradient that is None on some workers only does this"
+                                     : "") +
+                                ")"),
                 true);
   }
   Status s;

@@ -50,6 +50,8 @@ def mismatches_fail_on_every_worker():
                              ["mm/count"]),
         "all_reduce dtype": (lambda: kungfu.all_reduce(np.zeros([4], np.float64 if odd else np.float32),
                                                        name="mm/dtype"), ["mm/dtype"]),
+        "all_reduce op": (lambda: kungfu.all_reduce(np.zeros([4], np.float32), op="max" if odd else "sum",
+                                                    name="mm/rop"), ["mm/rop", "reduce op", "max", "sum"]),
         "all_gather dims": (lambda: kungfu.all_gather(np.zeros([2, 4 if odd else 3], np.float32), name="mm/ag"),
                             ["mm/ag", "rank 1 has float[2,4]"]),
         # Shapes that differ beyond the dimensions a message lists (eight after the first) say so.

@@ -75,8 +75,13 @@ Status CheckAgreement(const PeerList& peers, int src, const FrameHeader& h, cons
     return InvalidArgument(who + " has " + std::to_string(h.count) + " " + their + " elements, this worker " +
                            std::to_string(s.count) + " " + DTypeName(s.dtype));
   }
-  return InvalidArgument(who + " has " + aux_name + " " + std::to_string(h.aux) + ", this worker " +
-                         std::to_string(s.aux));
+  auto text = [aux_name](uint32_t v) {  // a reduce op by its name ("sum"), anything else by its number
+    if (std::string(aux_name) == "reduce op" && v <= 255 && IsValidReduceOp(static_cast<uint8_t>(v))) {
+      return std::string(ReduceOpName(static_cast<ReduceOp>(v)));
+    }
+    return std::to_string(v);
+  };
+  return InvalidArgument(who + " has " + aux_name + " " + text(h.aux) + ", this worker " + text(s.aux));
 }
 
 }  // namespace kungfu
