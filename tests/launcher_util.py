@@ -80,6 +80,24 @@ time.sleep(120)
 """.replace("DAEMON_CODE", repr(DAEMON))
 
 
+# Writes argv[1] lines of 101 bytes to stdout, or for a rank whose letter in argv[3] is "e" to stderr (rank 0
+# the first letter), then its pid to $PID_DIR/f<rank>, and exits (rank 1 with argv[2], the others with 0).
+# 500 lines fit in the pipe from a worker to kfrun: the workers finish even while nobody reads kfrun's output.
+FILL_WORKER = """
+import os, sys
+rank = int(os.environ["KUNGFU_RANK"])
+stream = sys.stderr if sys.argv[3][rank] == "e" else sys.stdout
+for i in range(int(sys.argv[1])):
+    stream.write(f"{rank} {i:05d} " + "x" * 92 + "\\n")
+stream.flush()
+path = os.path.join(os.environ["PID_DIR"], f"f{rank}")
+with open(path + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(path + ".tmp", path)
+sys.exit(int(sys.argv[2]) if rank == 1 else 0)
+"""
+
+
 def state(pid):
     """The process's state letter from /proc (R, S, T for stopped, Z, ...); None once it is gone."""
     try:
@@ -142,10 +160,11 @@ def _preexec(ignored, closed):
     return setup
 
 
-def start_kfrun(args, reaper, extra_env=None, ignored=(), closed=()):
+def start_kfrun(args, reaper, extra_env=None, ignored=(), closed=(), stdout=subprocess.PIPE):
     """Starts kfrun in a session of its own; ignored: signals it starts with ignored (as nohup does);
-    closed: its file descriptors to close (1: `kfrun ... >&-`), whose pipes here then read nothing."""
-    proc = subprocess.Popen(KFRUN + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    closed: its file descriptors to close (1: `kfrun ... >&-`), whose pipes here then read nothing;
+    stdout: where its stdout goes (a pipe read through proc.stdout unless given)."""
+    proc = subprocess.Popen(KFRUN + args, stdout=stdout, stderr=subprocess.PIPE, text=True,
                             env=_env(dict(extra_env or {}, PID_DIR=str(reaper[0]))), start_new_session=True,
                             preexec_fn=_preexec(ignored, closed))
     reaper[1].append(proc)

@@ -8,6 +8,7 @@ and workers that stall at the end are tested in test_launcher_signals.py.
 
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -25,7 +26,8 @@ from kungfu.launcher import hosts
 from kungfu.launcher import orphans
 from kungfu.launcher import plan
 from kungfu.launcher import ssh
-from launcher_util import ENV_WORKER, PID_WORKER, PYTHONPATH, alive, fake_ssh_path, records, run_kfrun, start_kfrun
+from launcher_util import ENV_WORKER, FILL_WORKER, PID_WORKER, PYTHONPATH, alive, fake_ssh_path, records, run_kfrun
+from launcher_util import start_kfrun
 from launcher_util import state, wait_for_files, wait_until
 from launcher_util import reaper  # noqa: F401  (a fixture)
 
@@ -115,6 +117,94 @@ def test_a_closed_output_stream_is_dropped_as_mpirun_does(closed, reaper):
         assert (sorted(out.splitlines()), err) == (["[0] out", "[1] out"], ""), err
     rc, out, err = run_kfrun(["-np", "0", "--", "true"], reaper, closed=[closed])
     assert rc == 2 and "Traceback" not in out + err, err
+
+
+def _fill_lines(rank, n=500):
+    return [f"[{rank}] {rank} {i:05d} " + "x" * 92 for i in range(n)]
+
+
+@pytest.mark.parametrize("streams", ["oo", "ee"], ids=["stdout", "stderr"])
+def test_all_output_reaches_a_reader_that_pauses(streams, reaper):
+    """The workers finish while nobody reads kfrun's output (a pager, a reader that pauses; 2 x 500 lines are
+    more than a pipe holds): kfrun writes all of it, and its own notes, however long the reader pauses (not
+    just 2 s), as mpirun does, and then exits."""
+    pid_dir, _ = reaper
+    proc = start_kfrun(["-np", "2", "--", sys.executable, "-c", FILL_WORKER, "500", "3", streams], reaper)
+    wait_for_files(pid_dir, ["f0", "f1"])
+    time.sleep(3)
+    assert proc.poll() is None, "kfrun exited before its output was read"
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 3, err[-2000:]
+    notes = [line for line in err.splitlines() if line.startswith("[kfrun] ")]
+    lines = (out if streams == "oo" else err).splitlines()
+    for rank in (0, 1):
+        assert [line for line in lines if line.startswith(f"[{rank}] ")] == _fill_lines(rank)
+    assert len(lines) == 1000 + (len(notes) if streams == "ee" else 0)
+    assert len(notes) == 1 and notes[0].startswith("[kfrun] worker 1 (127.0.0.1:"), notes
+    assert "failed with exit code 3" in notes[0], notes
+
+
+def test_output_to_a_non_blocking_pipe_is_complete(reaper):
+    """Another process sharing kfrun's stdout made it non-blocking (O_NONBLOCK): a full pipe is then EAGAIN,
+    which is not a reader that went away; kfrun waits until it can write, and writes every line whole."""
+    r, w = os.pipe()
+    try:
+        os.set_blocking(w, False)
+        proc = start_kfrun(["-np", "2", "--", sys.executable, "-c", FILL_WORKER, "500", "0", "oo"], reaper, stdout=w)
+        os.close(w)
+        w = None
+        time.sleep(1.5)  # the pipe fills: kfrun's writes fail with EAGAIN
+        data = b""
+        while True:
+            assert select.select([r], [], [], 20)[0], "kfrun's output stopped"
+            chunk = os.read(r, 1 << 16)
+            if not chunk:
+                break
+            data += chunk
+        assert proc.wait(timeout=20) == 0, proc.stderr.read()
+    finally:
+        os.close(r)
+        if w is not None:
+            os.close(w)
+    lines = data.decode().splitlines()
+    assert [x for x in lines if x.startswith("[0]")] == _fill_lines(0) and len(lines) == 1000
+    assert [x for x in lines if x.startswith("[1]")] == _fill_lines(1)
+
+
+def test_a_signal_while_kfrun_still_writes_the_output_drops_the_rest(reaper):
+    """The workers are gone and nobody reads kfrun's output: Ctrl-C ends the wait, and kfrun says what it
+    dropped and exits with 128+2."""
+    pid_dir, _ = reaper
+    proc = start_kfrun(["-np", "2", "--", sys.executable, "-c", FILL_WORKER, "500", "0", "oo"], reaper)
+    wait_for_files(pid_dir, ["f0", "f1"])
+    deadline = time.monotonic() + 15
+    while proc.poll() is None:  # again until it exits: the first one may come before the workers' exits are seen
+        assert time.monotonic() < deadline, "kfrun did not stop writing on SIGINT"
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+    err = proc.stderr.read()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "[kfrun] got SIGINT while still writing the workers' output; dropped the rest of worker " in err, err
+
+
+@pytest.mark.parametrize("writes", [False, True], ids=["idle", "writing"])
+def test_a_pipe_that_a_process_left_running_holds_open_is_given_up(writes, tmp_path, reaper):
+    """ssh's ControlPersist master, which kfrun leaves running, here keeps the worker's stdout open: kfrun
+    writes all the worker wrote, gives the pipe 2 s, then exits; if that process still writes, it says so."""
+    pid_dir, _ = reaper
+    path = fake_ssh_path(tmp_path)
+    ssh_script = tmp_path / "bin" / "ssh"
+    lines = ssh_script.read_text().split("\n", 1)
+    body = "while :; do echo tick; sleep 0.05; done" if writes else "exec sleep 60"
+    master = (f'( exec setsid sh -c \'echo $$ > "$PID_DIR/t$$"; mv "$PID_DIR/t$$" "$PID_DIR/s$$"; {body}\' ) '
+              '</dev/null &\n')  # its stdout: ssh's, the worker's pipe to kfrun
+    ssh_script.write_text(lines[0] + "\n" + master + lines[1])
+    start = time.monotonic()
+    rc, out, err = run_kfrun(["-np", "1", "-H", "nohost-a.invalid:1", "-x", "PYTHONPATH", "-x", f"PID_DIR={pid_dir}",
+                              "--", sys.executable, "-c", "print('last words')"], reaper, {"PATH": path})
+    assert rc == 0 and time.monotonic() - start < 12, err
+    assert "[0] last words" in out.splitlines(), out
+    assert ("still writes to it" in err) == writes, err
 
 
 def test_first_failure_exit_code_propagates(reaper):
@@ -273,7 +363,11 @@ def test_restore_subreaper_puts_back_the_previous_setting():
     (["-np", "1", "-x", "KUNGFU_TIMEOUT=5", "--", "x"], "use --timeout"),
     (["-np", "1", "-H=-Fevil:1", "--", "x"], "'-Fevil' is not a host name (a host name cannot start with '-')"),
     (["-np", "2", "-H", "-oProxyCommand=x", "--", "x"], "cannot start with '-'"),
-    (["-np", "2", "-H", "127.0.0.1:1", "-H", "127.0.0.1:1", "--", "x"], "host '127.0.0.1' is listed twice"),
+    (["-np", "1", "-H", "127.0.0.1: 2", "--", "x"], "slots must be a positive integer, got ' 2'"),
+    (["-np", "1", "-H", "127.0.0.1:1_0", "--", "x"], "slots must be a positive integer, got '1_0'"),
+    (["-np", "1", "-H", "127.0.0.1:\uff12", "--", "x"], "slots must be a positive integer, got '\uff12'"),
+    (["-np", "1", "--grace", "1e300", "--", "x"],
+     "--grace must not be negative and at most 10000010 seconds, got 1e+300"),  # not 1e+07: 10^7 + 10
 ])
 def test_bad_arguments(args, message, reaper):
     rc, out, err = run_kfrun(args, reaper)
@@ -337,6 +431,23 @@ def test_command_not_found(reaper):
     assert rc == 127 and "cannot start worker 0: /nonexistent/program" in err
 
 
+@pytest.mark.parametrize("kind, code, why", [
+    ("no execute permission", 126, "Permission denied"),
+    ("directory", 126, "it is a directory"),
+    ("missing #! interpreter", 127, "its interpreter '/nonexistent/interp', named in its #! line, was not found"),
+])
+def test_a_program_that_cannot_be_executed(kind, code, why, reaper, tmp_path):
+    """126 when the program is there but cannot be executed, 127 when it (or its interpreter) is not: as sh."""
+    program = tmp_path / "prog"
+    if kind == "directory":
+        program.mkdir()
+    else:
+        program.write_text("#!/nonexistent/interp\necho hi\n" if kind.startswith("missing") else "#!/bin/sh\necho hi\n")
+        program.chmod(0o644 if kind.startswith("no execute") else 0o755)
+    rc, out, err = run_kfrun(["-np", "2", "--", str(program)], reaper)
+    assert rc == code and f"cannot start worker 0: {program}: {why}" in err, err
+
+
 def test_help(reaper):
     rc, out, err = run_kfrun(["--help"], reaper)
     assert rc == 0 and "usage: kfrun" in out and "--port-range" in out
@@ -347,9 +458,41 @@ def test_parse_hostfile():
     assert hosts.parse_hostfile_text(text) == [
         hosts.HostSpec("10.1.0.1", 4), hosts.HostSpec("10.1.0.2", 2), hosts.HostSpec("node3", 1)]
     for bad, message in [("h slots=0", "hostfile:1: slots must be"), ("a:1\nh cores=2", "hostfile:2: expected"),
-                         ("a:1\na slots=2", "listed twice"), ("# none\n", "no hosts listed"), ("a b c", "expected")]:
+                         ("a:1\na slots=2", "hostfile:2: host 'a' is already listed on line 1"),
+                         ("# none\n", "no hosts listed"), ("a b c", "expected")]:
         with pytest.raises(hosts.UsageError, match=message):
             hosts.parse_hostfile_text(bad)
+
+
+def test_slot_counts_are_ascii_digits():
+    """int() takes ' 2', '1_0' and other scripts' digits; a slot count is ASCII digits only."""
+    for bad in [" 2", "1_0", "\uff12", "\u0663", "+2", "0x2", "2.0", "0"]:
+        with pytest.raises(hosts.UsageError, match="slots must be a positive integer"):
+            hosts.parse_host_list(f"a:{bad}")
+        with pytest.raises(hosts.UsageError, match="slots must be a positive integer"):
+            hosts.parse_hostfile_text(f"a slots={bad}")
+    assert hosts.parse_host_list("a:012") == [hosts.HostSpec("a", 12)]
+
+
+def test_hosts_are_read_as_openmpi_reads_them():
+    """mpirun (4.1): max_slots=M is allowed (alone it gives the slots; slots above it are an error); a host on
+    another hostfile line gets one more slot, but slots= on that line is an error; -H a:2,a adds up to 3."""
+    parse, host = hosts.parse_hostfile_text, hosts.HostSpec
+    assert parse("a slots=2 max_slots=4") == [host("a", 2)]
+    assert parse("a max_slots=3\nb max-slots=2 slots=1\nc:2 slots_max=2") == [host("a", 3), host("b", 1), host("c", 2)]
+    assert parse("a\nb slots=2\na\na  # one line per slot\nb") == [host("a", 3), host("b", 3)]
+    for bad, message in [("a slots=3 max_slots=2", "hostfile:1: 'a' has 3 slots, more than its 2 max_slots"),
+                         ("a slots=2\na slots=2", "hostfile:2: host 'a' is already listed on line 1"),
+                         ("a:2\nb\na:1", "hostfile:3: host 'a' is already listed on line 1"),
+                         ("a slots=2 max_slots=2\na", "hostfile:2: 'a' has 3 slots, more than its 2 max_slots"),
+                         ("a slots=2 slots=3", "gives the slots of 'a' twice"),
+                         ("a max_slots=x", "max_slots must be a positive integer"),
+                         ("a slots=2 foo", "expected 'host slots=N"), ("a cpus=2", "expected 'host slots=N")]:
+        with pytest.raises(hosts.UsageError, match=re.escape(message)):
+            parse(bad)
+    assert hosts.parse_host_list(["a:2,b", "a"]) == [host("a", 3), host("b", 1)]
+    opts = cli.parse_args(["kfrun", "-np", "2", "-H", "127.0.0.1:1", "-H", "127.0.0.1:1", "--", "x"])
+    assert opts.hosts == [host("127.0.0.1", 2)]
 
 
 def test_parse_hostfile_drops_a_byte_order_mark(tmp_path):
@@ -364,7 +507,7 @@ def test_parse_host_list():
     assert hosts.parse_host_list("node") == [hosts.HostSpec("node", 1)]
     assert hosts.parse_host_list(["a:1", "b:2,c"]) == [
         hosts.HostSpec("a", 1), hosts.HostSpec("b", 2), hosts.HostSpec("c", 1)]
-    for bad in ["", "a:", "a:-1", "a:1,", "a b:1", "a:1:2", "-F:1", "-oProxyCommand=x", ["a:1", "a:2"], ["a:1", ""]]:
+    for bad in ["", "a:", "a:-1", "a:1,", "a b:1", "a:1:2", "-F:1", "-oProxyCommand=x", ["a:1", ""]]:
         with pytest.raises(hosts.UsageError):
             hosts.parse_host_list(bad)
 

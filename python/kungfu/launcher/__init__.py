@@ -19,7 +19,6 @@ from . import output
 from . import plan
 from .hosts import UsageError
 from .supervisor import Supervisor
-from .worker import LaunchError
 
 __all__ = ["main", "run"]
 
@@ -30,8 +29,24 @@ def _write(stream, text):
     if stream is None:
         return
     try:
-        stream.write(text)
         stream.flush()
+        fd = stream.fileno()
+    except (OSError, ValueError, AttributeError):
+        fd = None  # a stream without a file descriptor (or a closed one)
+    try:
+        if fd is None:
+            stream.write(text)
+            stream.flush()
+        else:  # waits where another process made the descriptor non-blocking
+            output.write_all(fd, text.encode(getattr(stream, "encoding", None) or "utf-8", "replace"))
+    except (OSError, ValueError):
+        pass
+
+
+def _flush(stream):
+    try:
+        if stream is not None:
+            stream.flush()
     except (OSError, ValueError):
         pass
 
@@ -78,18 +93,17 @@ def run(argv, adopt_orphans=False):
     printer = output.LinePrinter()
     try:
         return Supervisor(specs, opts.command, envs, opts, printer, adopt_orphans).run()
-    except LaunchError as e:
-        printer.message(f"{e}; the workers already started were stopped")
-        return e.exit_code
     finally:
-        printer.close()
+        printer.close()  # Supervisor.run() did, unless it failed before (then: the notes so far)
 
 
 def main(argv=None):
     """Console-script entry point (kfrun)."""
     code = run(sys.argv if argv is None else argv, adopt_orphans=True)
     if any(t.name.startswith("kfrun-") and t.is_alive() for t in threading.enumerate()):
-        # An output thread is still blocked writing to a reader that stopped reading. Python's own
-        # shutdown would wait for that stream and then abort, so leave at once with the job's code.
+        # An output thread is still blocked writing to a reader that stopped reading (a signal to kfrun told
+        # it to give up; the note says so). Leave at once with the job's code rather than wait for it.
+        _flush(sys.stdout)
+        _flush(sys.stderr)
         os._exit(code)
     sys.exit(code)

@@ -46,8 +46,10 @@ def _define_flags():
     flags.DEFINE_boolean("help", False, "Show this help and exit.", short_name="h", flag_values=fv)
     flags.DEFINE_integer("np", None, "Number of workers (required).", flag_values=fv)
     flags.DEFINE_multi_string("H", None, "Hosts and slots: host:N,host:N,... (default: 127.0.0.1:np); repeatable: "
-                              "-H a:2 -H b:2 is -H a:2,b:2, as with mpirun", flag_values=fv)
-    flags.DEFINE_string("hostfile", None, "File of 'host slots=N' or 'host:N' lines; # comments.", flag_values=fv)
+                              "-H a:2 -H b:2 is -H a:2,b:2, and a host given again adds its slots, as with mpirun",
+                              flag_values=fv)
+    flags.DEFINE_string("hostfile", None, "File of 'host slots=N [max_slots=M]' or 'host:N' lines; # comments; as "
+                        "with mpirun, each further line of a host adds one slot.", flag_values=fv)
     flags.DEFINE_float("timeout", 60.0, "Seconds; every blocking wait in a worker (KUNGFU_TIMEOUT; default: "
                        "$KUNGFU_TIMEOUT if set, else 60).", flag_values=fv)
     flags.DEFINE_float(
@@ -104,13 +106,19 @@ def _hosts(fv, np):
     return [hosts_lib.HostSpec("127.0.0.1", np)]
 
 
+def _number(value):
+    """value as %g where that is exact (1e+07, 0.001), else with the digits it takes (10000010)."""
+    short = f"{value:g}"
+    return short if not math.isfinite(value) or float(short) == value else repr(value).removesuffix(".0")
+
+
 def _seconds(name, value, low, high=_env.TIMEOUT_MAX, low_open=True):
     """A finite number of seconds in (low, high], or [low, high] when not low_open."""
     if not math.isfinite(value) or value > high or (value <= low if low_open else value < low):
         if low == 0:
             bound = "be positive" if low_open else "not be negative"
-            raise UsageError(f"--{name} must {bound} and at most {high:g} seconds, got {value:g}")
-        raise UsageError(f"--{name} must be between {low:g} and {high:g} seconds, got {value:g}")
+            raise UsageError(f"--{name} must {bound} and at most {_number(high)} seconds, got {_number(value)}")
+        raise UsageError(f"--{name} must be between {_number(low)} and {_number(high)} seconds, got {_number(value)}")
     return value
 
 

@@ -22,14 +22,11 @@ class HostSpec:
     slots: int  # how many workers may run there
 
 
-def _parse_slots(text, where):
-    try:
-        slots = int(text)
-    except ValueError:
-        slots = 0
-    if slots < 1:
-        raise UsageError(f"{where}: slots must be a positive integer, got '{text}'")
-    return slots
+def _parse_slots(text, where, what="slots"):
+    """A positive integer in ASCII digits: not ' 2', '1_0' or full-width digits, which int() would take."""
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise UsageError(f"{where}: {what} must be a positive integer, got '{text}'")
+    return int(text)
 
 
 def _check_host_name(host, where):
@@ -44,7 +41,7 @@ _IPV6_CHARS = set("0123456789abcdefABCDEF:.%")
 
 
 def _parse_entry(entry, where):
-    """'host:N' or 'host' (1 slot)."""
+    """'host:N' or 'host' (1 slot); returns (host, N or None)."""
     if entry.startswith("[") or "::" in entry or (entry.count(":") > 1 and set(entry) <= _IPV6_CHARS
                                                   and "." not in entry):  # not 10.1.0.2:4:1
         raise UsageError(f"{where}: '{entry}' looks like an IPv6 address; the engine speaks IPv4 only, so give "
@@ -53,53 +50,82 @@ def _parse_entry(entry, where):
         raise UsageError(f"{where}: '{entry}' is not host or host:N (hosts are separated by commas, e.g. "
                          "-H 127.0.0.1:4,10.1.0.2:4)")
     host, sep, slots = entry.partition(":")
-    if not sep:
-        return HostSpec(_check_host_name(host, where), 1)
-    return HostSpec(_check_host_name(host, where), _parse_slots(slots, where))
-
-
-def _no_duplicates(hosts, where):
-    seen = set()
-    for h in hosts:
-        if h.host in seen:
-            raise UsageError(f"{where}: host '{h.host}' is listed twice; give it once with all its slots")
-        seen.add(h.host)
-    return hosts
+    return _check_host_name(host, where), (_parse_slots(slots, where) if sep else None)
 
 
 def parse_host_list(texts):
     """Parses -H: 'host:N,host:N,...', or a list of such (-H given more than once adds hosts, as with
-    OpenMPI's mpirun: `-H a:2 -H b:2` is `-H a:2,b:2`)."""
+    OpenMPI's mpirun: `-H a:2 -H b:2` is `-H a:2,b:2`). A host given again adds its slots, as with mpirun
+    (`-H a:2,b:1,a` is `-H a:3,b:1`); ranks fill hosts in the order of their first mention."""
     texts = [texts] if isinstance(texts, str) else list(texts)
-    where = " ".join(f"-H '{t}'" for t in texts)
-    hosts = []
+    slots = {}  # host -> slots, in the order of first mention
     for text in texts:
         entries = [e.strip() for e in text.split(",")]
         if not text.strip() or any(not e for e in entries):
             raise UsageError(f"-H '{text}': expected host:slots[,host:slots...], e.g. -H 127.0.0.1:4,10.1.0.2:4")
-        hosts.extend(_parse_entry(e, f"-H '{text}'") for e in entries)
-    return _no_duplicates(hosts, where)
+        for e in entries:
+            host, n = _parse_entry(e, f"-H '{text}'")
+            slots[host] = slots.get(host, 0) + (1 if n is None else n)
+    return [HostSpec(h, n) for h, n in slots.items()]
+
+
+_MAX_SLOTS_KEYS = ("max_slots", "max-slots", "slots_max", "slots-max")  # the spellings OpenMPI takes
 
 
 def _parse_hostfile_line(line, where):
+    """'host:N' or 'host' followed by OpenMPI's 'slots=N' and 'max_slots=M' in any order; returns
+    (host, N or None, M or None)."""
     fields = line.split()
-    if len(fields) == 1:
-        return _parse_entry(fields[0], where)
-    if len(fields) == 2 and fields[1].startswith("slots="):
-        return HostSpec(_check_host_name(fields[0], where), _parse_slots(fields[1][len("slots="):], where))
-    raise UsageError(f"{where}: expected 'host slots=N' or 'host:N', got '{line}'")
+    host, slots = _parse_entry(fields[0], where)
+    max_slots = None
+    for field in fields[1:]:
+        key, sep, value = field.partition("=")
+        if not sep or key not in ("slots",) + _MAX_SLOTS_KEYS:
+            raise UsageError(f"{where}: expected 'host slots=N [max_slots=M]' or 'host:N', got '{line}'")
+        if key == "slots":
+            if slots is not None:
+                raise UsageError(f"{where}: '{line}' gives the slots of '{host}' twice")
+            slots = _parse_slots(value, where)
+        else:
+            if max_slots is not None:
+                raise UsageError(f"{where}: '{line}' gives {key} twice")
+            max_slots = _parse_slots(value, where, key)
+    return host, slots, max_slots
 
 
 def parse_hostfile_text(text, name="hostfile"):
-    """Parses hostfile lines 'host slots=N' or 'host:N'; '#' starts a comment."""
-    hosts = []
+    """Parses hostfile lines 'host slots=N [max_slots=M]' or 'host:N' (or 'host'); '#' starts a comment.
+
+    As OpenMPI's mpirun (4.1) reads a hostfile: max_slots alone gives the slots (kfrun never places more
+    workers on a host than its slots, so max_slots is only checked: not below slots); a host on several
+    lines gets one more slot for each line after its first (the old one-line-per-slot machine files), and
+    slots= (or :N) on such a later line is an error, as it is for mpirun."""
+    slots = {}  # host -> slots, in the order of first mention
+    first_line = {}
+    max_slots = {}
     for number, raw in enumerate(text.splitlines(), start=1):
         line = raw.split("#", 1)[0].strip()
-        if line:
-            hosts.append(_parse_hostfile_line(line, f"{name}:{number}"))
-    if not hosts:
+        if not line:
+            continue
+        where = f"{name}:{number}"
+        host, n, most = _parse_hostfile_line(line, where)
+        if host in slots:
+            if n is not None:
+                raise UsageError(f"{where}: host '{host}' is already listed on line {first_line[host]}; a "
+                                 "repeated line adds one slot, as with mpirun, so it cannot give slots again: "
+                                 "give all of the host's slots on one line")
+            n = slots[host] + 1
+        elif n is None:
+            n = most or 1
+        if most is not None:
+            max_slots[host] = most
+        if host in max_slots and max_slots[host] < n:
+            raise UsageError(f"{where}: '{host}' has {n} slots, more than its {max_slots[host]} max_slots")
+        first_line.setdefault(host, number)
+        slots[host] = n
+    if not slots:
         raise UsageError(f"{name}: no hosts listed; add lines like '10.1.0.2 slots=4'")
-    return _no_duplicates(hosts, name)
+    return [HostSpec(h, n) for h, n in slots.items()]
 
 
 def _decode_hostfile(data, path):

@@ -18,6 +18,8 @@ Policy:
     batch schedulers send them ahead of a time limit). SIGTSTP (Ctrl-Z) stops every worker (SIGSTOP
     to its group), then kfrun itself; SIGCONT (fg, bg) continues them, and the deadlines above are
     moved by the time spent stopped. Remote workers get these through their remote script (ssh.py).
+  - Once every worker is gone, all of their output is written (output.drain), however long kfrun's reader
+    takes; a signal that ends the job, sent meanwhile, drops the rest.
   - Whatever happens, including an exception in kfrun, shutdown() runs: it terminates and then kills
     every process group still populated and every other process the local workers started (kfrun is
     their child subreaper, so those that left their group, e.g. under setsid, stay its descendants:
@@ -31,6 +33,7 @@ import threading
 import time
 
 from . import orphans
+from . import output
 from . import worker as worker_lib
 
 _ENDING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM)  # forwarded; the job ends
@@ -82,24 +85,48 @@ class Supervisor:
         self._adopt = bool(adopt_orphans)
         self._before = set()  # children this process had before the job
         self._next_reap = 0.0  # monotonic time of the next reap_children() while the job runs
+        self._draining = False  # whether every worker is gone and kfrun is writing the rest of their output
+        self._drain_signal = None  # a signal to kfrun meanwhile (see _finish_output)
 
     def run(self):
-        """Starts every worker and waits for the job; returns kfrun's exit code."""
+        """Starts every worker and waits for the job; then writes all of the workers' output (drain) and
+        kfrun's notes; returns kfrun's exit code."""
         previous = self._install_signal_handlers()
         subreaper = None
+        code = None
         if self._adopt:
             self._before = orphans.children() or set()
             subreaper = orphans.become_subreaper()
         try:
-            self._start_all()
-            return self._wait()
+            try:
+                self._start_all()
+                code = self._wait()
+            except worker_lib.LaunchError as e:
+                code = e.exit_code
+                self._printer.message(f"{e}; the workers already started were stopped")
+            finally:
+                self.shutdown()
         finally:
             try:
-                self.shutdown()
-            finally:
                 orphans.restore_subreaper(subreaper)
+                stopped = self._finish_output()
+            finally:
                 for signum, handler in previous.items():
                     signal.signal(signum, handler)
+        if stopped and not code:
+            code = 128 + stopped  # the output was cut short by a signal
+        return code
+
+    def _finish_output(self):
+        """Waits until the workers' output and kfrun's notes are written, as long as kfrun's reader takes
+        (output.drain); a signal to kfrun meanwhile stops that (the rest is dropped, and said so). Returns
+        that signal, or None."""
+        self._draining = True
+        stopped = lambda: self._drain_signal  # noqa: E731
+        try:
+            return output.drain([p for w in self._workers for p in w.pumps], self._printer, stopped)
+        finally:
+            self._printer.close(stopped)
 
     def _install_signal_handlers(self):
         if threading.current_thread() is not threading.main_thread():
@@ -112,6 +139,8 @@ class Supervisor:
         return {s: signal.signal(s, h) for s, h in handlers.items()}
 
     def _on_pass(self, signum, frame):
+        if self._draining:
+            return  # no worker is left to pass it on to
         for w in self._workers:
             w.send(signum)
         self._printer.message(f"got {signal.Signals(signum).name}; passed it on to every worker (the job goes on)")
@@ -119,6 +148,9 @@ class Supervisor:
     def _on_tstp(self, signum, frame):
         """Ctrl-Z: stops the workers, then kfrun (SIGSTOP: a SIGTSTP to itself would be dropped when kfrun's
         process group is orphaned, e.g. under setsid, leaving the workers stopped and kfrun running)."""
+        if self._draining:  # no worker is left: only kfrun, writing their output, stops
+            os.kill(os.getpid(), signal.SIGSTOP)
+            return
         for w in self._workers:
             w.send(signal.SIGSTOP)
         self._printer.message("got SIGTSTP; stopped every worker and now kfrun (fg or SIGCONT continues them)")
@@ -142,6 +174,9 @@ class Supervisor:
                 setattr(self, name, getattr(self, name) + seconds)
 
     def _on_signal(self, signum, frame):
+        if self._draining:
+            self._drain_signal = self._drain_signal or signum  # stop writing what the workers left
+            return
         now = time.monotonic()
         name = signal.Signals(signum).name
         if self._signal is not None:
@@ -297,15 +332,12 @@ class Supervisor:
         _send(strays, signal.SIGCONT)
 
     def shutdown(self):
-        """SIGTERM, then SIGKILL, every process group still populated and every stray; reap; flush output."""
+        """SIGTERM, then SIGKILL, every process group still populated and every stray; reap. (Their output
+        is written after this: _finish_output.)"""
         if not self._collect_exits(time.monotonic()):
             self._kill_alive(*self._alive())
         if self._adopt:
             orphans.reap_children(self._keep())
-        deadline = time.monotonic() + 2.0
-        for w in self._workers:
-            for t in w.pumps:
-                t.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _kill_alive(self, alive, strays):
         if self._kill_at is None or time.monotonic() < self._kill_at:

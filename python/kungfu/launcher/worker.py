@@ -7,7 +7,9 @@ A remote worker is an ssh client (also in its own group); its stdin is the remot
 makes the remote side send that signal to the worker's group.
 """
 
+import errno
 import os
+import shutil
 import signal
 import subprocess
 
@@ -20,7 +22,8 @@ PASSABLE = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGSTOP, signal.SIGCONT)
 
 
 class LaunchError(Exception):
-    """A worker could not be started; exit_code is what kfrun exits with (127: command not found)."""
+    """A worker could not be started; exit_code is what kfrun exits with (127: command not found; 126:
+    found but not executable, as shells and mpirun say)."""
 
     def __init__(self, message, exit_code):
         super().__init__(message)
@@ -153,6 +156,51 @@ def _open_copies(opts, rank):
     return opened
 
 
+def _launch_code(e):
+    """127 when the program (or its interpreter) is not there, 126 when it is but cannot be executed (no
+    execute permission, a directory, not a format the kernel runs): what sh and mpirun exit with."""
+    if isinstance(e, FileNotFoundError):
+        return 127
+    if isinstance(e, (PermissionError, IsADirectoryError)) or e.errno == errno.ENOEXEC:
+        return 126
+    return 1
+
+
+def _resolve(program, env):
+    """The file that exec would run for program: itself if it names a path, else the first executable
+    (else existing) file of that name on the PATH of the worker's environment; None if there is none."""
+    if os.sep in program:
+        return program
+    dirs = os.get_exec_path(env)
+    return shutil.which(program, path=os.pathsep.join(dirs)) or shutil.which(program, os.F_OK, os.pathsep.join(dirs))
+
+
+def _why(e, program, env):
+    """The reason a start failed. EACCES for a directory says so; ENOENT for a file that exists means its
+    interpreter is missing: the one its #! line names (or, for a binary, its dynamic loader)."""
+    reason = e.strerror or str(e)
+    path = _resolve(program, env) if isinstance(e, (FileNotFoundError, PermissionError)) else None
+    if isinstance(e, PermissionError) and path is not None and os.path.isdir(path):
+        return "it is a directory"
+    if not isinstance(e, FileNotFoundError):
+        return reason
+    if path is None or not os.path.isfile(path):
+        return reason
+    try:
+        with open(path, "rb") as f:
+            first = f.readline(4096)
+    except OSError:
+        return reason
+    if first.startswith(b"#!"):
+        # As the kernel reads it: up to the first blank or the end of the line (a \r stays in the name).
+        interpreter = first[2:].rstrip(b"\n").lstrip(b" \t").replace(b"\t", b" ").split(b" ")[0]
+        if not interpreter:
+            return "its #! line names no interpreter"
+        crlf = " (the file has Windows line ends: \\r\\n)" if interpreter.endswith(b"\r") else ""
+        return f"its interpreter {interpreter.decode('utf-8', 'replace')!r}, named in its #! line, was not found{crlf}"
+    return f"{reason} (the file exists: the interpreter it needs, e.g. its dynamic loader, was not found)"
+
+
 def start(spec, command, env, opts, printer):
     """Starts one worker with its KUNGFU_* env and output pumps. Raises LaunchError if it cannot start."""
     copies = _open_copies(opts, spec.rank)
@@ -164,8 +212,9 @@ def start(spec, command, env, opts, printer):
     except OSError as e:
         _close(copies)
         program = command[0] if spec.is_local else "ssh"
-        code = 127 if isinstance(e, (FileNotFoundError, PermissionError)) else 1
-        raise LaunchError(f"cannot start worker {spec.rank}: {program}: {e.strerror or e}", code) from e
+        env_path = {**os.environ, **opts.forward_env, **env} if spec.is_local else os.environ
+        raise LaunchError(f"cannot start worker {spec.rank}: {program}: {_why(e, program, env_path)}",
+                          _launch_code(e)) from e
     pumps = [
         output.start_pump(proc.stdout, spec.rank, printer, to_stderr=False, copy=copies[0]),
         output.start_pump(proc.stderr, spec.rank, printer, to_stderr=True, copy=copies[1]),
