@@ -4,6 +4,8 @@
 #                     first, once per top-level make
 #   make build        pip install --no-build-isolation .   (kungfu/_kungfu.so + the Python package)
 #   make cc-test      the engine tests, no TensorFlow: build/cc/kungfu_cc_tests
+#   make build/cc/libkungfu_engine.so   the engine alone as a C API library, no TensorFlow
+#                     (benchmarks/_allreduce/build_engine.sh; allreduce.py --systems=engine builds its own)
 #   make bazel-build  bazel build //:kungfu_ops  -> build/bazel/_kungfu.so
 #   make bazel-test   bazel test //cc:engine_test
 #   make test         all of the above, then pytest tests/
@@ -86,6 +88,16 @@ build/cc/obj/%.o: %.cc
 	$(CXX) $(CC_TEST_FLAGS) -MMD -MP -c $< -o $@
 
 -include $(CC_TEST_OBJS:.o=.d)
+
+# The engine alone (cc/ less cc/tests, no kf_ops/, no TensorFlow) as a shared library with the C API of
+# cc/c_api.h, for ctypes: benchmarks/_allreduce/worker_engine.py. The one g++ command lives in the script so
+# that a machine without make's other dependencies builds the same library.
+ENGINE_LIB_DEPS := $(filter-out cc/tests/%,$(CC_TEST_SRCS) $(wildcard cc/*.h cc/*/*.h)) \
+                   benchmarks/_allreduce/build_engine.sh
+
+build/cc/libkungfu_engine.so: $(ENGINE_LIB_DEPS)
+	@mkdir -p $(@D)
+	CXX='$(CXX)' sh benchmarks/_allreduce/build_engine.sh $@
 
 # ---- Bazel (offline; see third_party/bazel/README.md) ----------------------------------------
 

@@ -4,10 +4,17 @@ and the raw loopback TCP ceiling, float32 sum, on local processes.
     python3 benchmarks/allreduce.py                       # np 2 and 4, 4 KiB .. 64 MiB, about 10 minutes
     python3 benchmarks/allreduce.py --quick               # a smoke run of about 2 minutes
     python3 benchmarks/allreduce.py --np=2 --sizes=16M --systems=kungfu,mpi_tcp
+    python3 benchmarks/allreduce.py --systems=engine,raw,mpi_tcp,mpi   # no TensorFlow or kungfu needed
+
+The `engine` system is the bare engine (cc/) compiled from this tree by _allreduce/build_engine.sh and driven
+through its C API by plain processes, for machines without TensorFlow or the kungfu package: only Python, numpy,
+absl-py and a C++ compiler (mpi4py and OpenMPI for the mpi systems). Nothing in this driver imports TensorFlow,
+kungfu or mpi4py; each system's needs are checked only when it is chosen.
 
 Each system runs once per np and measures every size in that launch; each launch has a deadline, after which
-every process it started is killed. A system that cannot run (kungfu not installed, no mpirun, no cc) is
-listed as not measured and the rest still run. The tables are printed and written as markdown to --out.
+every process it started is killed. A system that cannot run (kungfu not installed, no mpirun or mpi4py, no
+compiler) is listed as not measured and the rest still run. The tables are printed and written as markdown to
+--out.
 """
 import json
 import os
@@ -27,7 +34,8 @@ from _allreduce import systems as S
 FLAGS = flags.FLAGS
 flags.DEFINE_list('np', ['2', '4'], 'numbers of local processes')
 flags.DEFINE_list('sizes', ['4K', '64K', '1M', '16M', '64M'], 'message sizes in bytes (K, M, G suffixes: KiB...)')
-flags.DEFINE_list('systems', ['kungfu', 'mpi', 'mpi_tcp', 'mwms', 'raw'], 'which systems to measure')
+flags.DEFINE_list('systems', ['kungfu', 'mpi', 'mpi_tcp', 'mwms', 'raw'],
+                  'which systems to measure, of %s (engine: the bare engine without TensorFlow)' % ', '.join(S.KEYS))
 flags.DEFINE_integer('iters', 200, 'most timed iterations per size (fewer when --seconds runs out)')
 flags.DEFINE_integer('min_iters', 5, 'fewest timed iterations per size')
 flags.DEFINE_integer('warmup', 3, 'untimed iterations per size')
@@ -147,7 +155,9 @@ def _kungfu_build():
 
 def run_meta(plan):
     """What a reader needs to judge the figures: when, on what, with which software and plan."""
-    return _meta.machine_lines() + [
+    engine = [('engine (no TF)', 'cc/ of this tree, built by _allreduce/build_engine.sh with %s'
+               % _meta.first_line(S.engine_compiler(), '--version'))] if 'engine' in FLAGS.systems else []
+    return _meta.machine_lines() + engine + [
         ('software', 'Python %s, TensorFlow %s, mpi4py %s, %s, kungfu %s (%s; tree %s)' % (
             platform.python_version(), _meta.version('tensorflow-cpu', 'tensorflow'), _meta.version('mpi4py'),
             _meta.first_line('mpirun', '--version'), _meta.version('kungfu'), _kungfu_build(), _meta.git_head())),
@@ -164,26 +174,33 @@ def main(argv):
         sizes = sorted({parse_size(s) for s in FLAGS.sizes})
     except (ValueError, KeyError) as e:
         raise app.UsageError('--np takes integers, --sizes e.g. 4K,1M,4096: %s' % e)
-    unknown = set(FLAGS.systems) - {'kungfu', 'mpi', 'mpi_tcp', 'mwms', 'raw'}
+    unknown = set(FLAGS.systems) - set(S.KEYS)
     if unknown or min(nps) < 2:
-        raise app.UsageError('--systems takes kungfu, mpi, mpi_tcp, mwms, raw; --np values must be >= 2')
+        raise app.UsageError('--systems takes %s; --np values must be >= 2' % ', '.join(S.KEYS))
     failures = []
     with tempfile.TemporaryDirectory(prefix='kf-allreduce-') as work_dir:
         meta = run_meta(make_plan(sizes, work_dir))
-        binary = S.build_tcp_ring(work_dir) if 'raw' in FLAGS.systems else None
-        chosen = [s for s in S.all_systems(FLAGS.launcher.split(), binary) if s.key in FLAGS.systems]
-        if 'kungfu' in FLAGS.systems:
-            why = S.kungfu_importable(FLAGS.launcher.split())
+        tcp_ring = S.build_tcp_ring(work_dir) if 'raw' in FLAGS.systems else (None, '')
+        engine = (None, '')
+        if 'engine' in FLAGS.systems:
+            print('engine: compiling cc/ with _allreduce/build_engine.sh (one %s command)' % S.engine_compiler(),
+                  flush=True)
+            engine = S.build_engine(work_dir)
+        chosen = []
+        for system in S.all_systems(FLAGS.launcher.split(), tcp_ring, engine):
+            if system.key not in FLAGS.systems:
+                continue  # what it needs is not even looked for: no kungfu import probe, no TF lookup
+            why = system.missing()
             if why:
-                print('kungfu skipped: ' + why)
-                failures.append(('kungfu', why))
-                chosen = [s for s in chosen if s.key != 'kungfu']
-        runs = [(s, np) for np in nps for s in chosen if s.available]
-        if binary:
-            runs.append((S.oneway_system(binary), 2))
+                print('%s skipped: %s' % (system.key, why), flush=True)
+                failures.append((system.key, why))
+            else:
+                chosen.append(system)
+        runs = [(s, np) for np in nps for s in chosen]
+        if tcp_ring[0]:
+            runs.append((S.oneway_system(tcp_ring[0]), 2))
         results, failed = measure_all(runs, sizes, work_dir, _flag('rounds'))
         failures += failed
-    failures += [(s.key, 'not available on this machine') for s in chosen if not s.available]
     meta.append(('load average at end', _meta.load_average()))
     text = report.render(results, nps, sizes, meta, failures)
     _meta.publish(text, FLAGS.out)

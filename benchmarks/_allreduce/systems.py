@@ -2,9 +2,14 @@
 
 Every launch measures all sizes in one go (start-up is paid once) and writes rank*.json into out_dir; a launch
 may produce several series (the kungfu worker times the TF op and the bare engine in the same processes).
+
+Nothing here imports TensorFlow, kungfu or mpi4py: whether a system can run is asked (System.missing) only for
+the systems chosen, so `--systems=engine,raw,mpi_tcp` runs on a machine that has none of the three.
 """
+import importlib.util
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -15,6 +20,7 @@ from _allreduce import launch
 HERE = os.path.dirname(os.path.abspath(__file__))
 KUNGFU_OP = 'kungfu (tf eager op)'
 KUNGFU_ENGINE = 'kungfu (engine)'
+KUNGFU_ENGINE_NOTF = 'kungfu (engine, no TF)'
 MPI_DEFAULT = 'OpenMPI (default)'
 MPI_TCP = 'OpenMPI (TCP)'
 MWMS = 'TF MWMS (RING)'
@@ -26,11 +32,15 @@ RAW_ONEWAY = 'raw TCP one-way'
 MPI_TCP_ARGS = ['--mca', 'pml', 'ob1', '--mca', 'btl', 'tcp,self', '--mca', 'btl_tcp_if_include', 'lo']
 
 
-class System:
-    """key: the --systems name; series: what its workers report; commands(np, plan) -> [(argv, env), ...]."""
+ENGINE_TIMEOUT = '60'  # KUNGFU_TIMEOUT for the engine workers, unless the environment sets one
 
-    def __init__(self, key, series, commands, available):
-        self.key, self.series, self.commands, self.available = key, series, commands, available
+
+class System:
+    """key: the --systems name; series: what its workers report; commands(np, plan) -> [(argv, env), ...];
+    missing() -> why it cannot run on this machine, '' when it can (asked once, and only when chosen)."""
+
+    def __init__(self, key, series, commands, missing):
+        self.key, self.series, self.commands, self.missing = key, series, commands, missing
 
 
 def _env(plan, **extra):
@@ -67,6 +77,18 @@ def _kungfu(np, plan, launcher):
     return [(launcher + ['-np', str(np), '--', sys.executable, _worker('worker_kungfu.py')], _env(plan))]
 
 
+def _engine(np, plan, library):
+    """np plain processes, no launcher: each is told the cluster in kfrun's variables (worker_engine.py)."""
+    peers = ','.join('127.0.0.1:%d' % p for p in launch.free_ports(np))
+    token = secrets.token_hex(8)  # a fresh cluster each launch: a straggler of the last one cannot join it
+    plan = dict(plan, series=KUNGFU_ENGINE_NOTF, library=library)
+    timeout = os.environ.get('KUNGFU_TIMEOUT', ENGINE_TIMEOUT)
+    return [([sys.executable, _worker('worker_engine.py')],
+             _env(plan, KUNGFU_PEERS=peers, KUNGFU_RANK=str(r), KUNGFU_SIZE=str(np), KUNGFU_TOKEN=token,
+                  KUNGFU_TIMEOUT=timeout))
+            for r in range(np)]
+
+
 def _raw(np, plan, binary, mode):
     ports = ','.join(str(p) for p in launch.free_ports(np))
     sizes = ','.join(str(s) for s in plan['sizes'])
@@ -78,19 +100,40 @@ def _raw(np, plan, binary, mode):
     return out
 
 
+def _compile(argv, output, timeout):
+    """Runs a compiler command; returns (output, '') or (None, why)."""
+    try:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, '%s took over %d s' % (os.path.basename(argv[0]), timeout)
+    if r.returncode != 0:
+        return None, '%s failed:\n%s' % (' '.join(argv[:2]), r.stderr[-2000:])
+    return output, ''
+
+
 def build_tcp_ring(build_dir):
-    """Compiles tcp_ring.c; returns the binary path, or None with the reason printed."""
+    """Compiles tcp_ring.c; returns (binary path, '') or (None, why)."""
     cc = shutil.which('cc') or shutil.which('gcc')
     if cc is None:
-        print('raw TCP ceiling skipped: no C compiler (cc) on PATH')
-        return None
+        return None, 'no C compiler (cc) on PATH'
     binary = os.path.join(build_dir, 'tcp_ring')
-    r = subprocess.run([cc, '-O2', '-o', binary, os.path.join(HERE, 'tcp_ring.c')], capture_output=True,
-                       text=True, timeout=120)
-    if r.returncode != 0:
-        print('raw TCP ceiling skipped: cc failed:\n' + r.stderr[-2000:])
-        return None
-    return binary
+    return _compile([cc, '-O2', '-o', binary, os.path.join(HERE, 'tcp_ring.c')], binary, 120)
+
+
+def engine_compiler():
+    """The C++ compiler build_engine.sh runs: $CXX, else g++."""
+    return os.environ.get('CXX', 'g++')
+
+
+def build_engine(build_dir):
+    """Compiles the engine (cc/) into a C API library with build_engine.sh, from this tree, every run: the
+    engine measured is the one the sources say, whatever kungfu is installed. Returns (path, '') or (None, why).
+    """
+    cxx = engine_compiler()
+    if shutil.which(cxx) is None:
+        return None, 'no C++ compiler (%s) on PATH; set CXX to name one' % cxx
+    library = os.path.join(build_dir, 'libkungfu_engine.so')
+    return _compile(['sh', os.path.join(HERE, 'build_engine.sh'), library], library, 600)
 
 
 def kungfu_importable(launcher):
@@ -106,17 +149,38 @@ def kungfu_importable(launcher):
     return ''
 
 
-def all_systems(launcher, tcp_ring_binary):
+def _module_missing(module, worker, hint=''):
+    """Why `import module` would fail in the workers (they run this Python), found without importing it."""
+    if importlib.util.find_spec(module) is None:
+        return '%s is not importable by %s (%s needs it%s)' % (module, sys.executable, worker, hint)
+    return ''
+
+
+def _mpi_missing():
+    if not shutil.which('mpirun'):
+        return 'no mpirun on PATH (OpenMPI: apt install openmpi-bin libopenmpi-dev)'
+    return _module_missing('mpi4py', 'worker_mpi.py', ': pip install mpi4py')
+
+
+KEYS = ['kungfu', 'engine', 'mpi', 'mpi_tcp', 'mwms', 'raw']
+
+
+def all_systems(launcher, tcp_ring, engine):
+    """Every system, in KEYS order. tcp_ring and engine are build_tcp_ring's and build_engine's answers,
+    (path, why), or (None, '') when that system was not chosen."""
     return [
-        System('kungfu', [KUNGFU_OP, KUNGFU_ENGINE], lambda np, plan: _kungfu(np, plan, launcher), True),
-        System('mpi', [MPI_DEFAULT], lambda np, plan: _mpi(np, plan, tcp=False), bool(shutil.which('mpirun'))),
-        System('mpi_tcp', [MPI_TCP], lambda np, plan: _mpi(np, plan, tcp=True), bool(shutil.which('mpirun'))),
-        System('mwms', [MWMS], _mwms, True),
-        System('raw', [RAW_RING], lambda np, plan: _raw(np, plan, tcp_ring_binary, 'ring'),
-               tcp_ring_binary is not None),
+        System('kungfu', [KUNGFU_OP, KUNGFU_ENGINE], lambda np, plan: _kungfu(np, plan, launcher),
+               lambda: kungfu_importable(launcher)),
+        System('engine', [KUNGFU_ENGINE_NOTF], lambda np, plan: _engine(np, plan, engine[0]),
+               lambda: engine[1] or ('' if engine[0] else 'not built')),
+        System('mpi', [MPI_DEFAULT], lambda np, plan: _mpi(np, plan, tcp=False), _mpi_missing),
+        System('mpi_tcp', [MPI_TCP], lambda np, plan: _mpi(np, plan, tcp=True), _mpi_missing),
+        System('mwms', [MWMS], _mwms, lambda: _module_missing('tensorflow', 'worker_mwms.py')),
+        System('raw', [RAW_RING], lambda np, plan: _raw(np, plan, tcp_ring[0], 'ring'),
+               lambda: tcp_ring[1] or ('' if tcp_ring[0] else 'not built')),
     ]
 
 
 def oneway_system(tcp_ring_binary):
-    return System('raw', [RAW_ONEWAY], lambda np, plan: _raw(2, plan, tcp_ring_binary, 'oneway'),
-                  tcp_ring_binary is not None)
+    """The raw one-way stream, np 2 only; run when the raw ring is (same binary)."""
+    return System('raw', [RAW_ONEWAY], lambda np, plan: _raw(2, plan, tcp_ring_binary, 'oneway'), lambda: '')
