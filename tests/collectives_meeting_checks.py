@@ -220,6 +220,40 @@ def later_trace_and_saved_model():
     assert_equal(loaded(x), total, "a loaded SavedModel's collective, again")
 
 
+@check
+def nested_calls_meet_in_order():
+    """Two calls of one tf.function holding a collective (one key), from another tf.function, whose inputs
+    are ready in a rank-dependent order: the calls must run in program order on every worker. The inner
+    function reads a captured variable, so its call takes a resource input and TF would not order it by
+    itself (kungfu/ops/_naming.py, "Calls of functions that hold collectives")."""
+    rank, size = kungfu.rank(), kungfu.size()
+    w = tf.Variable(1.0)
+
+    @tf.function
+    def inner(x):
+        return kungfu.all_reduce(x * w, name="nested/k")
+
+    def slow(x):  # some work that the other input does not wait for
+        m = tf.fill([200, 200], x[0] * 1e-9)
+        for _ in range(20):
+            m = tf.matmul(m, m) * 0.0 + m
+        return x + tf.reduce_sum(m) * 0.0
+
+    @tf.function
+    def outer(a, b):
+        if rank % 2 == 0:
+            a = slow(a)
+        else:
+            b = slow(b)
+        return inner(a), inner(b)
+
+    a, b = tf.constant([1.0]), tf.constant([100.0])
+    for _ in range(5):
+        x, y = outer(a, b)
+        assert_equal(x, np.full([1], size, np.float32), "the first call")
+        assert_equal(y, np.full([1], 100 * size, np.float32), "the second call")
+
+
 def _in_forked_child():
     """What a child forked from this worker checks (no TensorFlow: TF's thread pools are not forked); returns
     what went wrong, or None."""

@@ -29,7 +29,7 @@ CHECKS = ["all_reduce_values_eager", "all_reduce_values_in_one_function", "group
           "gradients_through_collectives",
           "mismatches_fail_on_every_worker", "rank_dependent_order_in_one_function",
           "independent_collectives_run_together", "unused_and_identical_collectives_run", "later_trace_and_saved_model",
-          "forked_child_keeps_off_the_engine",
+          "forked_child_keeps_off_the_engine", "nested_calls_meet_in_order",
           "eager_collectives_from_several_threads"]
 
 

@@ -192,3 +192,27 @@ def test_one_explicit_name_twice_in_a_function_control_flow_included():
     assert traces(lambda x: tf.switch_case(tf.cast(x[0], tf.int32),
                                            [lambda: ar(x, name="k"), lambda: ar(x, name="k"), lambda: x]))
     assert traces(nested_arms)
+
+
+def test_calls_of_functions_holding_collectives_are_ordered():
+    """The TF internals that order such calls (kungfu/ops/_naming.py, end): the resolver is registered, it
+    finds the called FuncGraph, and the second call of a function that reads a captured variable then
+    waits for the first."""
+    assert _naming._register is not None, "auto_control_deps.register_acd_resource_resolver is gone"
+    w = tf.Variable(1.0)
+
+    @tf.function
+    def inner(x):
+        return kungfu.all_reduce(x * w, name="ordered")
+
+    @tf.function
+    def outer(x):
+        return inner(x), inner(x + 1)
+
+    graph = outer.get_concrete_function(tf.TensorSpec([2])).graph
+    calls = [op for op in graph.get_operations() if op.type in _naming._CALL_OPS]
+    assert len(calls) == 2
+    assert getattr(_naming._called_graph(calls[0]), _naming._HOLDS, False), (
+        "Graph._get_function(name).graph no longer finds the called FuncGraph")
+    assert calls[0] in calls[1].control_inputs, "the second call does not wait for the first"
+

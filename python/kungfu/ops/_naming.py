@@ -36,7 +36,9 @@ trace time with the fix, rather than by a long tf2xla error at the first step.
 
 TF internals relied on (checked by tests/test_ops_naming.py, which fails clearly if an upgrade
 changes them): the class names of control-flow FuncGraphs, FuncGraph.outer_graph,
-Graph.unique_name, and control_flow_util.GraphOrParentsInXlaContext (the check is skipped without it).
+Graph.unique_name, control_flow_util.GraphOrParentsInXlaContext (the check is skipped without it),
+and, to order calls of functions holding collectives (end of this file),
+auto_control_deps.register_acd_resource_resolver, Graph._get_function and its result's .graph.
 """
 
 import collections
@@ -195,6 +197,7 @@ def _claim(graph, name, op):
 def token(eager=None):
     """A fresh ordering token for one collective call."""
     if not (tf.executing_eagerly() if eager is None else eager):
+        _mark_holding(tf.compat.v1.get_default_graph())
         with tf.device("CPU:0"):
             handle = tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[], shared_name="kungfu_token")
             # Not differentiable, so that walks for variables along differentiable ops (tf.custom_gradient's
@@ -209,3 +212,55 @@ def token(eager=None):
                     _token_variable = tf.Variable(0, trainable=False, name="kungfu_token", dtype=tf.int32)
             variable = _token_variable
     return variable.handle
+
+
+# Calls of functions that hold collectives. A tf.function called from another one is a call op, which
+# TensorFlow's automatic control dependencies order after the previous stateful op only when it takes no
+# resource input; one that reads a captured variable takes that variable, and two calls of it would then
+# run together, their collectives (one key) meeting the other workers' in either order. So every call of
+# a function that holds a collective (directly or through its own calls) also "writes" one sentinel
+# tensor of the calling graph: such calls run one after another, in program order. Functions holding
+# collectives are marked when a collective's token is made in them (token()), and a function calling one
+# is marked when this resolver sees the call, before the caller's own calls are resolved.
+_HOLDS = "_kungfu_holds_collectives"
+_CALL_OPS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
+_call_sentinels = weakref.WeakKeyDictionary()  # calling graph -> its sentinel tensor
+
+
+def _mark_holding(graph):
+    for g in (graph, function_graph(graph)):
+        try:
+            setattr(g, _HOLDS, True)
+        except AttributeError:  # a graph that takes no attributes: only calls from it are left unordered
+            pass
+
+
+def _called_graph(op):
+    """The FuncGraph that call op `op` runs, or None where TF does not keep one."""
+    try:
+        return getattr(op.graph._get_function(op.get_attr("f").name), "graph", None)
+    except (AttributeError, ValueError, KeyError):
+        return None
+
+
+def _order_calls(op, reads, writes):
+    """An auto-control-dependency resource resolver (see above): True when it added the sentinel."""
+    if op.type not in _CALL_OPS or not getattr(_called_graph(op), _HOLDS, False):
+        return False
+    _mark_holding(op.graph)
+    sentinel = _call_sentinels.get(op.graph)
+    if sentinel is None:
+        with op.graph.as_default(), tf.control_dependencies(None):
+            sentinel = _call_sentinels[op.graph] = tf.constant(0, name="kungfu_call_order")
+    if sentinel in writes:
+        return False
+    writes.add(sentinel)
+    return True
+
+
+try:
+    from tensorflow.python.framework.auto_control_deps import register_acd_resource_resolver as _register
+except ImportError:  # a TF without it (tests/test_ops_naming.py fails): nested calls stay unordered
+    _register = None
+if _register is not None:
+    _register(_order_calls)
