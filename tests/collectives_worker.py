@@ -253,6 +253,19 @@ def gradients_through_collectives():
         want = (np.ones(3) * weight * 2 * (rank + 1)).astype(np.float32)
         assert_equal(grad(), want, f"{what}, eagerly")
         assert_equal(tf.function(grad)(), want, f"{what}, in a tf.function")
+
+    @tf.function
+    def two_passes():  # one persistent tape, two backward passes through one collective, in one graph
+        with tf.GradientTape(persistent=True) as tape:
+            y = kungfu.all_reduce(w * w, name="grad/two_passes")
+            first, second = tf.reduce_sum(c * y), tf.reduce_sum(100 * c * y)
+        return tape.gradient(first, w), tape.gradient(second, w)
+
+    for _ in range(3):
+        g1, g2 = two_passes()
+        want = (np.ones(3) * total_c * 2 * (rank + 1)).astype(np.float32)
+        assert_equal(g1, want, "the first of two backward passes in one function")
+        assert_equal(g2, 100 * want, "the second of two backward passes in one function")
     try:
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(kungfu.all_reduce(w * w, op="max"))

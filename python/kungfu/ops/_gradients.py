@@ -10,7 +10,8 @@ x on a worker is that of the sum of all workers' losses:
     to find them);
   - barrier and consensus have no gradient (their outputs are not differentiable).
 A gradient's collectives are keyed by the forward collective's key with "/grad" (and "/grad/dims")
-appended, so they meet across workers as the forward ones do: in order, per key.
+appended (and, for a further backward pass through it in one graph, "/2", "/3", ...), so they meet across
+workers as the forward ones do: in order, per key.
 """
 
 import tensorflow as tf
@@ -23,12 +24,19 @@ _GRAD_OPS = ("sum", "mean")
 
 def _grad_key(op, suffix):
     """The key of a gradient's collective: the forward op's key (its second-to-last input) + suffix, a
-    string where the key is known when the backward pass is built, else a string op."""
+    string where the key is known when the backward pass is built, else a string op. In a graph, a second
+    backward pass through the same collective (two tape.gradient calls of a persistent tape in one
+    tf.function) would run beside the first under the same key, so each further one in the function gets
+    "/2", "/3", ... appended, counted in trace order, which every worker shares."""
     key = op.inputs[len(op.inputs) - 2]
     static = tf.get_static_value(key)
+    eager = tf.executing_eagerly()
     if static is not None:
-        return (static.decode() if isinstance(static, bytes) else str(static)) + suffix
-    return tf.strings.join([key, suffix])
+        name = (static.decode() if isinstance(static, bytes) else str(static)) + suffix
+        return name if eager else _naming.numbered(tf.compat.v1.get_default_graph(), name)
+    if eager:
+        return tf.strings.join([key, suffix])
+    return tf.strings.join([key, suffix + "/" + tf.compat.v1.get_default_graph().unique_name("kungfu_grad")])
 
 
 def _key_input(key, eager):
@@ -60,9 +68,8 @@ def _all_reduce_grad(op, dy):
 
 def _group_all_reduce_grad(op, *dys):
     reduce_op = _check_op(op, "kungfu.group_all_reduce")
-    n = len(op.outputs)
     dys = [tf.zeros_like(op.outputs[i]) if dy is None else dy for i, dy in enumerate(dys)]
-    return _reduce(dys, reduce_op, _grad_key(op, "/grad"), group=True) + [None, None][:len(op.inputs) - n]
+    return _reduce(dys, reduce_op, _grad_key(op, "/grad"), group=True) + [None, None]  # key, token
 
 
 def _broadcast_grad(op, dy):

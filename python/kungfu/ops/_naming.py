@@ -60,6 +60,7 @@ CONTROL_FLOW_GRAPHS = frozenset({"WhileCondFuncGraph", "WhileBodyFuncGraph", "Co
 _lock = threading.Lock()
 _eager_counts = collections.Counter()  # "<key scope>/<op>" (or op type) -> eager calls so far
 _key_scopes = threading.local()  # .scope: the key scopes entered on this thread, joined by "/"
+_numbered_keys = weakref.WeakKeyDictionary()  # tf.function graph -> Counter of numbered() keys
 _explicit_names = weakref.WeakKeyDictionary()  # tf.function graph -> {explicit name: [_arms of each use]}
 _token_variable = None  # eager calls' token, created on first use
 _eager_keys = {}  # explicit name -> its key as an eager string tensor
@@ -176,6 +177,15 @@ def _exclusive(a, b):
             continue
         return x[:2] == y[:2]
     return False  # one lies inside the other
+
+
+def numbered(graph, key):
+    """key, the first time it is asked for in graph's tf.function; then key + "/2", "/3", ... (trace order)."""
+    with _lock:
+        counts = _numbered_keys.setdefault(function_graph(graph), collections.Counter())
+        counts[key] += 1
+        n = counts[key]
+    return key if n == 1 else f"{key}/{n}"
 
 
 def _claim(graph, name, op):
