@@ -354,6 +354,170 @@ def test_warmup_callback_refuses_a_schedule_and_an_unknown_epoch_length():
               callbacks=[callbacks.LearningRateWarmupCallback(0.1, steps_per_epoch=4)])
 
 
+def _horovod_schedule(initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True, steps=4):
+    """Horovod's LearningRateScheduleCallbackImpl (horovod/_keras/callbacks.py) without momentum correction: the
+    rate it sets at the start of batch `batch` of epoch `epoch`, or None where it sets none."""
+    if not callable(multiplier):  # Horovod: a constant multiplier makes it a staircase
+        staircase, constant = True, multiplier
+        multiplier = lambda epoch: constant  # noqa: E731
+
+    def rate(epoch, batch):
+        if epoch < start_epoch or end_epoch is not None and epoch >= end_epoch:
+            return None
+        if staircase:
+            return initial_lr * multiplier(epoch) if batch == 0 else None
+        return initial_lr * multiplier(epoch + batch / steps)
+
+    return rate
+
+
+def _horovod_warmup(initial_lr, warmup_epochs, size, steps=4):
+    """Horovod's LearningRateWarmupCallback on `size` workers: a schedule of the position after the batch."""
+    def multiplier(epoch):
+        epoch += 1. / steps
+        return 1. / size * (epoch * (size - 1) / warmup_epochs + 1)
+
+    return _horovod_schedule(initial_lr, multiplier, 0, warmup_epochs, staircase=False, steps=steps)
+
+
+def _horovod_rates(schedules, epochs, lr, steps=4):
+    """The rate of every batch under Horovod's callbacks, called in list order at each batch's start."""
+    rates = []
+    for epoch in range(epochs):
+        for batch in range(steps):
+            for schedule in schedules:
+                r = schedule(epoch, batch)
+                lr = lr if r is None else r
+            rates.append(lr)
+    return rates
+
+
+def test_schedule_callback_chained_after_the_warmup_as_horovods_resnet_example():
+    """keras_imagenet_resnet50.py's chain: warm-up, then 1x until epoch 3, 0.1x until 4, 0.01x after. Past the
+    warm-up every batch has Horovod's rate; in it each batch has the rate Horovod gives the batch before."""
+    model, x, y = model_and_data()  # 4 batches an epoch
+    model.compile(optimizer=optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.5)), loss="mse")
+    record = _RecordRate()
+    chain = [callbacks.LearningRateWarmupCallback(0.4, warmup_epochs=2, start_lr=0.1),
+             callbacks.LearningRateScheduleCallback(0.4, multiplier=1., start_epoch=2, end_epoch=3),
+             callbacks.LearningRateScheduleCallback(0.4, multiplier=1e-1, start_epoch=3, end_epoch=4),
+             callbacks.LearningRateScheduleCallback(0.4, multiplier=1e-2, start_epoch=4)]
+    model.fit(x, y, batch_size=16, epochs=6, callbacks=chain + [record], verbose=0)
+    horovod = _horovod_rates([_horovod_warmup(0.4, 2, size=4), _horovod_schedule(0.4, 1., 2, 3),
+                              _horovod_schedule(0.4, 1e-1, 3, 4), _horovod_schedule(0.4, 1e-2, 4)], 6, 0.5)
+    assert record.rates[8:] == pytest.approx(horovod[8:]) == [0.4] * 4 + [0.04] * 4 + [0.004] * 8
+    assert record.rates[:8] == pytest.approx([0.1] + horovod[:7])  # one batch behind Horovod's warm-up
+    assert horovod[7] == pytest.approx(0.4) and record.rates[7] < 0.4
+    staircase = vars(callbacks.LearningRateScheduleCallback)
+    assert "on_train_batch_end" not in staircase and "on_batch_end" not in staircase  # Keras's async dispatch stays
+
+
+@pytest.mark.parametrize("multiplier, staircase", [
+    (lambda epoch: 0.5 ** epoch, False),
+    (lambda epoch: 0.5 ** epoch, True),
+    (0.25, False),  # a constant: a staircase, as Horovod's
+])
+def test_schedule_callback_sets_horovods_rate_within_its_epochs(multiplier, staircase):
+    model, x, y = model_and_data()  # 4 batches an epoch
+    model.compile(optimizer=keras.optimizers.SGD(0.5), loss="mse")
+    record = _RecordRate()
+    schedule = callbacks.LearningRateScheduleCallback(0.2, multiplier, start_epoch=1, end_epoch=3,
+                                                      staircase=staircase, momentum_correction=False)
+    model.fit(x, y, batch_size=16, epochs=4, callbacks=[schedule, record], verbose=0)
+    want = _horovod_rates([_horovod_schedule(0.2, multiplier, 1, 3, staircase)], 4, 0.5)
+    assert record.rates == pytest.approx(want)
+    assert want[:4] == [0.5] * 4 and want[12:] == [want[11]] * 4  # untouched before, left as it was after
+    assert schedule.rate(0, 0) is None and schedule.rate(3, 0) is None
+    assert schedule.rate(2, 2) == pytest.approx(_horovod_schedule(0.2, multiplier, 1, 3, staircase)(2, 0 if
+                                                schedule.staircase else 2))
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: callbacks.LearningRateScheduleCallback(0, 1.), "initial_lr must be a number > 0"),
+    (lambda: callbacks.LearningRateScheduleCallback(0.1, "x"), "multiplier must be"),
+    (lambda: callbacks.LearningRateScheduleCallback(0.1, 1., start_epoch=-1), "start_epoch must be"),
+    (lambda: callbacks.LearningRateScheduleCallback(0.1, 1., start_epoch=3, end_epoch=3), "end_epoch must be"),
+    (lambda: callbacks.LearningRateScheduleCallback(0.1, 1., steps_per_epoch=0), "steps_per_epoch must be"),
+])
+def test_schedule_callback_bad_arguments(call, words):
+    with pytest.raises(ValueError, match=words):
+        call()
+
+
+def test_schedule_callback_refuses_a_schedule_and_an_unknown_epoch_length_when_smooth():
+    model, x, y = model_and_data()
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.9)
+    model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
+    with pytest.raises(ValueError, match="must be a number, not a LearningRateSchedule"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                  callbacks=[callbacks.LearningRateScheduleCallback(0.1, 1.)])
+    model, x, y = model_and_data()
+    model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
+    unknown_length = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(16)
+    with pytest.raises(ValueError, match="pass steps_per_epoch"):
+        model.fit(unknown_length, epochs=1, verbose=0,
+                  callbacks=[callbacks.LearningRateScheduleCallback(0.1, lambda e: 1., staircase=False)])
+    model.fit(unknown_length, epochs=1, verbose=0,  # a staircase needs no epoch length
+              callbacks=[callbacks.LearningRateScheduleCallback(0.1, lambda e: 1.)])
+    assert float(model.optimizer.learning_rate) == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("make", [
+    lambda **kw: callbacks.LearningRateWarmupCallback(0.1, **kw),
+    lambda **kw: callbacks.LearningRateScheduleCallback(0.1, 1., **kw),
+])
+def test_momentum_correction_is_refused_only_when_asked_for(make):
+    with pytest.raises(ValueError, match="momentum_correction=True .*Keras 3 optimizers.*momentum_correction=False"):
+        make(momentum_correction=True)
+    make(momentum_correction=False)
+    make(momentum_correction=None)
+    make()
+
+
+def test_warmup_callback_keeps_its_positional_order():
+    warmup = callbacks.LearningRateWarmupCallback(0.4, 2, 4, 0.1, 1)
+    assert (warmup.warmup_epochs, warmup.steps_per_epoch, warmup.start_lr, warmup.verbose) == (2, 4, 0.1, 1)
+    with pytest.raises(TypeError):
+        callbacks.LearningRateWarmupCallback(0.4, 2, 4, 0.1, 1, False)  # momentum_correction is keyword-only
+
+
+def test_root_rank_is_horovods_spelling_of_root():
+    v = tf.Variable([1.0, 2.0])
+    kungfu.broadcast_variables([v], root_rank=0)
+    kungfu.broadcast_variables([v], root=0, root_rank=0)
+    assert v.numpy().tolist() == [1.0, 2.0]
+    assert kungfu.broadcast_object({"a": 1}, root_rank=0) == {"a": 1}
+    assert callbacks.BroadcastGlobalVariablesCallback(root_rank=0).root == 0
+    for call in (lambda: kungfu.broadcast_variables([v], root=1, root_rank=0),
+                 lambda: kungfu.broadcast_object(1, root=0, root_rank=1),
+                 lambda: callbacks.BroadcastGlobalVariablesCallback(root=0, root_rank=1)):
+        with pytest.raises(ValueError, match="root_rank="):
+            call()
+    with pytest.raises(ValueError, match="root must be a rank"):
+        kungfu.broadcast_object(1, root_rank=3)  # checked as root= is
+
+
+def test_load_model_of_a_legacy_h5_file_says_it_kept_no_optimizer_state(tmp_path):
+    """Horovod's examples save ModelCheckpoint('checkpoint-{epoch}.h5'); Keras 3 loads such a file with an
+    optimizer built over no variables (no slots), which cannot resume: the error names the .keras fix."""
+    model, x, y = model_and_data()
+    adam = optimizers.SynchronousSGDOptimizer(keras.optimizers.Adam(0.01))
+    model.compile(optimizer=adam, loss="mean_squared_error")  # ("mse" does not load from .h5 in Keras 3.15)
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    path = os.path.join(tmp_path, "checkpoint-1.h5")
+    model.save(path)
+    with pytest.raises(ValueError, match=r"no optimizer state.*legacy \.h5.*\.keras"):
+        kungfu.keras.load_model(path)
+    model, x, y = model_and_data()  # an optimizer with no slots comes back whole, and resumes
+    model.compile(optimizer=optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.01)),
+                  loss="mean_squared_error")
+    model.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    model.save(path)
+    loaded = kungfu.keras.load_model(path)
+    loaded.fit(x, y, epochs=1, batch_size=16, verbose=0)
+    assert int(loaded.optimizer.iterations) == 8
+
+
 @pytest.mark.parametrize("make", [
     lambda: optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1), compression="fp8"),
     lambda: kungfu.DistributedGradientTape(tf.GradientTape(), compression=16),

@@ -5,8 +5,31 @@ import tensorflow as tf
 from . import _lib
 
 
-def broadcast_variables(variables, root=0, name=None):
+class _DefaultRoot(int):
+    """The rank 0 of a root= left out, told apart from a 0 the caller passed (root_rank= may then name
+    another rank). It is 0 in every other way, and shows as 0 in signatures."""
+
+    def __repr__(self):
+        return "0"
+
+
+DEFAULT_ROOT = _DefaultRoot(0)
+
+
+def root_alias(root, root_rank, what):
+    """The root rank from root= or root_rank= (Horovod's spelling of it); ValueError when both are given and
+    name different ranks. root's default must be DEFAULT_ROOT."""
+    if root_rank is None:
+        return 0 if root is DEFAULT_ROOT else root
+    if root is not DEFAULT_ROOT and root != root_rank:
+        raise ValueError(f"{what}: root={root!r} and root_rank={root_rank!r} (Horovod's spelling of root=) name "
+                         "different ranks; give one of them")
+    return root_rank
+
+
+def broadcast_variables(variables, root=DEFAULT_ROOT, name=None, *, root_rank=None):
     """Assigns root's value of every variable (tf.Variable or Keras Variable) on every worker.
+    root_rank= is Horovod's spelling of root= (hvd.broadcast_variables(variables, root_rank=0)).
 
     One broadcast per dtype, of the variables' values concatenated, so that a model of many small
     variables costs a few network round trips, not one per variable. Every worker must pass the same
@@ -16,6 +39,7 @@ def broadcast_variables(variables, root=0, name=None):
     """
     from .ops import collective
 
+    root = root_alias(root, root_rank, "kungfu.broadcast_variables")
     _lib.require_init("kungfu.broadcast_variables")
     variables = list(variables)
     for i, v in enumerate(variables):  # before any collective, which the other workers would wait in

@@ -17,6 +17,8 @@ import tensorflow as tf
 
 from .. import _lib
 from .. import errors
+from .._variables import DEFAULT_ROOT
+from .._variables import root_alias
 from . import _naming
 from .collective import _no_autograph
 from .collective import all_gather
@@ -41,12 +43,14 @@ def _pickle(obj):
 
 
 @_no_autograph
-def broadcast_object(obj, root=0, name=None):
+def broadcast_object(obj, root=DEFAULT_ROOT, name=None, *, root_rank=None):
     """Every worker gets root's obj, any picklable Python object (the others' obj is ignored).
+    root_rank= is Horovod's spelling of root= (hvd.broadcast_object(obj, root_rank=0)).
 
     Eager only. name is the collective's key, derived like the tensor collectives' when None.
     If root cannot pickle obj, root raises that error and every other worker raises KungFuError.
     """
+    root = root_alias(root, root_rank, "kungfu.broadcast_object")
     _eager_only("kungfu.broadcast_object")
     size = _lib.size()
     if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= root < size:

@@ -52,6 +52,17 @@ def copy_state(source, wrapped):
     """Assigns a used optimizer's variables (step count, learning rate, slots) to the wrapper's, just
     built over the same model variables: both lists come in the order the base class creates them."""
     target = list(wrapped.variables)
+    if len(source) < len(target) and all(v.name in _OWN_VARIABLES for v in source):
+        # Keras 3's legacy .h5 loader builds the optimizer over no variables (model._trainable_variables, a
+        # model's own, is empty), fails to set the saved slots, warns, and leaves it built with just these.
+        raise ValueError(f"{wrapped.name}: the optimizer it wraps has only its step count and learning rate: no "
+                         "optimizer state came back from the saved file, as when Keras 3 loads a legacy .h5 file "
+                         "(e.g. Horovod's ModelCheckpoint('checkpoint-{epoch}.h5')), whose optimizer weights it "
+                         "cannot restore (the model keras.models.load_model returns fails in fit too, 'Unknown "
+                         "variable'). Save with the .keras format (model.save('m.keras'), "
+                         "ModelCheckpoint('checkpoint-{epoch}.keras')) to resume with the optimizer's state; or, to "
+                         "go on from the .h5 weights with a fresh optimizer, load it with compile=False and compile "
+                         "it with a new DistributedOptimizer")
     if len(source) != len(target):
         raise ValueError(f"{wrapped.name}: the optimizer it wraps had {len(source)} variables, and it has "
                          f"{len(target)} over this model's; a used optimizer keeps its state only for the model "
@@ -64,3 +75,6 @@ def copy_state(source, wrapped):
     with tf.init_scope():  # once, eagerly, even when the first step's trace builds the optimizer
         for a, b in zip(source, target):
             b.assign(a.value)
+
+
+_OWN_VARIABLES = ("iteration", "learning_rate")  # Keras 3's names of every optimizer's own, slot-less variables

@@ -6,10 +6,11 @@
 """
 
 from .broadcast_global_variables import BroadcastGlobalVariablesCallback
+from .lr_schedule import LearningRateScheduleCallback
 from .lr_warmup import LearningRateWarmupCallback
 from .metric_average import MetricAverageCallback
 from .monitor import MonitorCallback
 from .policy import PolicyCallback
 
-__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateWarmupCallback", "MetricAverageCallback", "MonitorCallback",
-           "PolicyCallback"]
+__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback", "LearningRateWarmupCallback",
+           "MetricAverageCallback", "MonitorCallback", "PolicyCallback"]

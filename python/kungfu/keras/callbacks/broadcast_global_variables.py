@@ -37,11 +37,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     compare at every epoch's end how many batches they took instead: one that ran out first waits
     there, and raises ValueError, rather than pairing its next epoch's gradients with another worker's
     extra batches; the others fail in that extra step (both at KUNGFU_TIMEOUT).
+
+    root_rank= is Horovod's spelling of root= (BroadcastGlobalVariablesCallback(root_rank=0)); giving both
+    with different ranks raises ValueError.
     """
 
-    def __init__(self, root=0):
+    def __init__(self, root=_variables.DEFAULT_ROOT, *, root_rank=None):
         super().__init__()
-        self.root = root
+        self.root = _variables.root_alias(root, root_rank, "BroadcastGlobalVariablesCallback")
         self._broadcast_for = None  # a weakref to the model last broadcast (a reused callback meets new ones)
         self._check_epochs = False  # compare each epoch's batches (fit did not know the count)
         self._batches = 0  # on_train_batch_begin calls in this epoch
@@ -109,11 +112,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
 def _built(model, stepped):
     """Whether model has its variables. model.built alone does not say: model.build(shape) on a subclassed
-    model with no build() method marks it built and creates none of its layers' variables (Keras 3.15
-    warns). So every layer must be built too, Keras's own test before fit; or a step must have run."""
+    model with no build() method marks it built and creates no variables (Keras 3.15 warns). So a built
+    model must also have some trainable variables (a Dropout's seed state exists from the start), or a
+    step must have run. (Not "every layer built": a layer that the model's call never uses, an auxiliary
+    head, stays unbuilt, and such a model called on a batch is broadcast before the first step, as
+    docs/training.md says.)"""
     if not model.built:
         return False
-    return stepped or all(layer.built for layer in model._flatten_layers(include_self=False))
+    return stepped or len(model.trainable_weights) > 0
 
 
 def _seed_states(model):

@@ -1,10 +1,9 @@
 """LearningRateWarmupCallback: a linear learning-rate warm-up over the first epochs (Goyal et al., 2017)."""
 
-import numbers
-
 import keras
 
 from ... import _lib
+from . import _lr
 
 
 class LearningRateWarmupCallback(keras.callbacks.Callback):
@@ -23,17 +22,29 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
             cannot know, e.g. for an endless dataset without steps_per_epoch).
         start_lr: the rate of the first batch; default initial_lr / size().
         verbose: 1 prints the rate at each epoch's start during the warm-up, on rank 0.
+        momentum_correction: keyword only; False or None (the default). True (Horovod's default) raises
+            ValueError: a Keras 3 optimizer reads its momentum as a constant when its step is traced, so
+            the momentum cannot be corrected as the rate changes.
+
+    Batch b of epoch e (both from 0) has the rate at position p = e + b / steps_per_epoch epochs:
+    start_lr + (initial_lr - start_lr) · min(p / warmup_epochs, 1). The first batch has start_lr exactly,
+    and initial_lr comes with the first batch after the warm-up. Horovod's callback of the same name takes
+    the position after the batch, p = e + (b + 1) / steps_per_epoch: its first batch already has one step
+    more than start_lr and its last warm-up batch has initial_lr. So each warm-up batch here has the rate
+    Horovod gives the batch before it, one step (initial_lr - start_lr) / (warmup_epochs · steps_per_epoch)
+    lower; from the end of the warm-up on the two agree.
 
     The warm-up happens once: a later fit leaves the rate alone once it is over, and a fit that starts
     past it (initial_epoch, a resumed run) never touches the rate. A fit that stops within it and a later
     one go on where it stopped, whether the later one passes initial_epoch or counts its epochs from 0
     again (fit called in a loop, one epoch at a time). The optimizer's learning rate must be a number (a
-    variable), not a LearningRateSchedule: that raises ValueError when training begins. Momentum is not
-    corrected as the rate changes.
+    variable), not a LearningRateSchedule: that raises ValueError when training begins.
     """
 
-    def __init__(self, initial_lr, warmup_epochs=5, steps_per_epoch=None, start_lr=None, verbose=0):
+    def __init__(self, initial_lr, warmup_epochs=5, steps_per_epoch=None, start_lr=None, verbose=0, *,
+                 momentum_correction=None):
         super().__init__()
+        _lr.refuse_momentum_correction("LearningRateWarmupCallback", momentum_correction)
         self.initial_lr = _positive("initial_lr", initial_lr)
         self.warmup_epochs = _positive("warmup_epochs", warmup_epochs)
         self.steps_per_epoch = None if steps_per_epoch is None else int(_positive("steps_per_epoch",
@@ -57,12 +68,7 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
             raise ValueError("LearningRateWarmupCallback: model.fit does not know the number of batches per epoch "
                              "(an endless dataset?); pass steps_per_epoch")
         self._first_lr = self.start_lr if self.start_lr is not None else self.initial_lr / _lib.size()
-        try:
-            optimizer = self.model.optimizer
-            optimizer.learning_rate = float(optimizer.learning_rate)  # no change; a schedule refuses it
-        except (TypeError, ValueError) as e:
-            raise ValueError("LearningRateWarmupCallback: the optimizer's learning rate must be a number, not a "
-                             f"LearningRateSchedule ({e})") from e
+        _lr.require_number_rate("LearningRateWarmupCallback", self.model)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._epoch = epoch
@@ -110,6 +116,4 @@ _EPS = 1e-9  # epochs: positions computed as sums of 1 / steps_per_epoch may mis
 
 
 def _positive(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not value > 0:
-        raise ValueError(f"LearningRateWarmupCallback: {name} must be a number > 0, got {value!r}")
-    return value
+    return _lr.positive("LearningRateWarmupCallback", name, value)
