@@ -7,25 +7,32 @@
 namespace kungfu {
 
 namespace {
+// The counts by name are sent only up to this size (an unnamed eager collective makes a key per call: a
+// long run of them could make tens of MB); past it the peers judge from the total alone.
+constexpr size_t kMaxStartedByNameBytes = size_t{8} << 20;
+
 // The BYE or FINALIZING frame to one peer: the total in its header, the counts by name as its payload
-// (none if too large to send: the peer then judges from the total alone).
-void SendLeaving(Connection* c, FrameKind kind, uint64_t total, uint32_t cluster_version, const std::string& by_name) {
+// (by_name, one buffer shared by every peer's frame; null: none).
+void SendLeaving(Connection* c, FrameKind kind, uint64_t total, uint32_t cluster_version,
+                 const std::shared_ptr<const std::string>& by_name) {
   FrameHeader h;
   h.kind = kind;
   h.generation = total;
   h.cluster_version = cluster_version;
-  h.payload_bytes = by_name.size();
-  Buffer data;
-  if (!by_name.empty()) {
-    data = NewBuffer(by_name.size());
-    std::copy(by_name.begin(), by_name.end(), data.get());
-  }
-  c->EnqueueOwned(h, kind == FrameKind::kBye ? "kungfu/bye" : "kungfu/finalizing", std::move(data), 0);
+  h.payload_bytes = by_name ? by_name->size() : 0;
+  c->EnqueueShared(h, kind == FrameKind::kBye ? "kungfu/bye" : "kungfu/finalizing", by_name ? by_name->data() : nullptr,
+                   by_name);
+}
+
+std::shared_ptr<const std::string> StartedByNamePayload(const StartedByName& started) {
+  auto bytes = std::make_shared<std::string>(EncodeStartedByName(started));
+  if (bytes->empty() || bytes->size() > kMaxStartedByNameBytes) return nullptr;
+  return bytes;
 }
 }  // namespace
 
 void Engine::Impl::SendGoodbyes() {
-  const std::string by_name = EncodeStartedByName(next_gen_);
+  const auto by_name = StartedByNamePayload(next_gen_);
   for (int d = 0; d < size(); ++d) {
     if (d == rank() || !out_[d] || out_[d]->broken() || left_[d]) continue;
     SendLeaving(out_[d].get(), FrameKind::kBye, next_op_id_ - 1, config_.peers.version(), by_name);
@@ -33,6 +40,7 @@ void Engine::Impl::SendGoodbyes() {
 }
 
 void Engine::Impl::ReadStartedByName(int peer, const char* data, uint64_t bytes) {
+  started_by_[peer].reset();  // a frame without counts (too many names) leaves the total alone to judge by
   if (bytes == 0 || data == nullptr) return;
   StartedByName started;
   Status s = DecodeStartedByName(data, bytes, &started);
@@ -91,7 +99,7 @@ void Engine::Impl::OnPeerLeft(int peer, uint64_t started) {
 void Engine::Impl::BeginFinalize() {
   if (finalized_after_ >= 0) return;
   finalized_after_ = static_cast<int64_t>(next_op_id_ - 1);
-  const std::string by_name = EncodeStartedByName(next_gen_);
+  const auto by_name = StartedByNamePayload(next_gen_);
   for (int d = 0; d < size(); ++d) {
     if (d == rank() || !out_[d] || out_[d]->broken() || left_[d]) continue;
     SendLeaving(out_[d].get(), FrameKind::kFinalizing, static_cast<uint64_t>(finalized_after_), config_.peers.version(),

@@ -88,7 +88,8 @@ Status DecodeFrameHeader(const uint8_t* in, FrameHeader* h, uint32_t* name_len);
 
 // The payload of BYE and FINALIZING: for each collective name, how many times the sender started it
 // (its next generation of that name). Each entry is u32 name length, u64 count, then the name's bytes.
-// Empty when it would exceed kMaxPayloadBytes: the receiver then has only the frame's total count.
+// Empty when it would exceed kMaxPayloadBytes; the engine sends none past 8 MiB (engine_leave.cc), and
+// the receiver then has only the frame's total count.
 using StartedByName = std::unordered_map<std::string, uint64_t>;
 std::string EncodeStartedByName(const StartedByName& started);
 Status DecodeStartedByName(const char* data, uint64_t bytes, StartedByName* out);

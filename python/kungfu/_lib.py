@@ -32,6 +32,7 @@ _atexit_registered = False
 _uncaught = False  # an exception reached sys.excepthook: finalize() then skips its barrier
 _left = None  # the ClusterSpec this process left with finalize(), when it had peers: no way back in
 _forked_from = None  # in a child forked from a worker after init(): the worker's pid (see _after_fork_in_child)
+_owner_pid = None  # the pid of the process that ran init()
 _DTYPE_INT32, _OP_SUM = 2, 1  # cc/dtype.h wire values
 
 
@@ -110,13 +111,13 @@ def init():
     environment and a KungFuError (e.g. CollectiveTimeout when peers do not come up) if the engine
     cannot start.
     """
-    global _cluster, _atexit_registered
+    global _cluster, _atexit_registered, _owner_pid
     from . import _bind
     from . import _env
 
+    if _forked_from is not None:  # before the lock, which a thread gone at the fork may have held
+        raise errors.EngineError(_forked_message("kungfu.init()"))
     with _lock:
-        if _forked_from is not None:
-            raise errors.EngineError(_forked_message("kungfu.init()"))
         if _cluster is not None:
             return
         if _left is not None:
@@ -138,6 +139,7 @@ def init():
         if code != 0:
             raise errors.from_code(code, _init_error_message(code, cluster, err.value.decode(errors="replace")))
         _cluster = cluster
+        _owner_pid = os.getpid()
         if not _atexit_registered:
             atexit.register(finalize)
             os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -153,7 +155,7 @@ def _after_fork_in_child():
     no lock is taken (one held at the fork would never be released)."""
     global _cluster, _forked_from
     if _cluster is not None:
-        _forked_from = os.getppid()
+        _forked_from = _owner_pid  # not os.getppid(): 1 once the worker has died
         _cluster = None
 
 
