@@ -57,7 +57,8 @@ Status Engine::Impl::Start() {
     if (!l.ok()) return l.status().WithContext("listening as " + config_.peers.Describe(config_.rank));
     listener_ = std::move(l.value());
   }
-  loop_.Start([this] { return AfterEvents(); }, config_.spin_us, [this] { return Busy(); });
+  loop_.Start([this] { return AfterEvents(); }, config_.spin_us, [this] { return Busy(); },
+              [this](Clock::duration lost) { Postpone(lost); });
   loop_started_ = true;
   if (n == 1) return Status::OK();
   acceptor_ = std::thread([this] { AcceptLoop(); });

@@ -336,8 +336,10 @@ void Engine::Impl::Judge(int peer, const Status& s) {
 // resumed after a stop longer than the timeout failed its collectives in flight at once. The loop thus
 // counts the time it was not run: it wakes at least every 20 ms while anything here has a deadline (see
 // the return below), and a read of the clock that comes more than StallMeter::kSlack (1 s) later than the
-// loop asked to sleep means the process was stopped or starved meanwhile (EventLoop::TakeStall). Every
-// deadline then moves later by that lateness (Postpone), before any is checked. Each worker measures its
+// loop asked to sleep means the process was stopped or starved meanwhile. Every deadline then moves
+// later by that lateness (Postpone): for a stop found on waking, before that iteration's handlers and
+// tasks run (EventLoop's on_stall), so that collectives they start keep their own full timeout; for one
+// found here (a long iteration), before any deadline is checked (EventLoop::TakeStall). Each worker measures its
 // own stop: workers stopped together and resumed a little apart each keep their full timeout, while
 // the peers of one worker stopped alone saw no gap and still time out on it. With no such gap nothing
 // changes. The deadlines of start-up (connecting, handshakes) and of Shutdown's drain run on other

@@ -121,6 +121,37 @@ def test_ctrl_z_stops_the_workers_and_sigcont_continues_them(where, reaper, tmp_
     assert not [n for n, pid in pids.items() if alive(pid)], "processes left behind"
 
 
+_COLLECTIVE_LOOP = (
+    "import os, time\nimport numpy as np\nimport kungfu\n"
+    "kungfu.init()\nr = kungfu.rank()\n"
+    "open(os.path.join(os.environ['PID_DIR'], f'ready{r}'), 'w').write(str(os.getpid()))\n"
+    "t0 = time.time()\n"
+    "while True:\n"
+    "    if r == 0:\n"
+    "        time.sleep(0.2)  # rank 1 waits in the collective meanwhile\n"
+    "    x = np.array([float(time.time() - t0 > 6)], np.float32)\n"
+    "    if kungfu.all_reduce(x, op='max', name='loop').numpy()[0]:\n"
+    "        break\n"
+    "print('done', flush=True)\n")
+
+
+def test_a_job_stopped_longer_than_its_timeout_goes_on(reaper):
+    """Ctrl-Z for 5 s with --timeout 3, then fg: the collective a worker was waiting in when the job stopped
+    does not time out (the engine discounts time it was not run), and the job ends well."""
+    pid_dir, _ = reaper
+    proc = start_kfrun(["-np", "2", "--timeout", "3", "--", sys.executable, "-c", _COLLECTIVE_LOOP], reaper,
+                       {"TF_CPP_MIN_LOG_LEVEL": "3"})
+    pids = wait_for_files(pid_dir, ["ready0", "ready1"], timeout=90)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTSTP)
+    wait_until(lambda: all(state(p) == "T" for p in pids.values()), "every worker stopped")
+    time.sleep(5)
+    proc.send_signal(signal.SIGCONT)
+    out, err = proc.communicate(timeout=90)
+    assert proc.returncode == 0, err[-3000:]
+    assert out.count("done") == 2, out[-2000:]
+
+
 def test_stopped_workers_are_still_stopped_and_reaped_on_sigterm(reaper):
     """SIGTERM to kfrun while Ctrl-Z holds the job (what `kill %1` does: TERM, then CONT)."""
     pid_dir, _ = reaper

@@ -35,9 +35,11 @@ Status EventLoop::Init() {
   return Status::OK();
 }
 
-void EventLoop::Start(std::function<int()> after_events, int spin_us, std::function<bool()> busy) {
+void EventLoop::Start(std::function<int()> after_events, int spin_us, std::function<bool()> busy,
+                      std::function<void(std::chrono::steady_clock::duration)> on_stall) {
   after_events_ = std::move(after_events);
   busy_ = std::move(busy);
+  on_stall_ = std::move(on_stall);
   spin_us_ = spin_us;
   running_ = true;
   thread_ = std::thread([this] { Run(); });
@@ -137,7 +139,14 @@ int EventLoop::Iterate(int wait_ms, bool* active, bool loop_thread) {
   epoll_event events[kMaxEvents];
   const int n = ::epoll_wait(epoll_fd_, events, kMaxEvents, wait_ms);
   // Before anything below can set a deadline: a stop during the sleep counts against the older ones only.
-  stalled_ += stall_meter_.Read(std::chrono::steady_clock::now());
+  const auto lost = stall_meter_.Read(std::chrono::steady_clock::now());
+  if (lost > std::chrono::steady_clock::duration(0)) {
+    if (on_stall_) {
+      on_stall_(lost);
+    } else {
+      stalled_ += lost;
+    }
+  }
   *active = n > 0;
   for (int i = 0; i < n; ++i) {
     const int fd = events[i].data.fd;

@@ -81,7 +81,10 @@ class EventLoop {
   // tens of microseconds on a virtual machine. 0 disables spinning. busy, if given, runs under the
   // drive lock and says whether work other than a leaving caller's is in flight: then the loop's thread
   // takes over at once instead of lingering.
-  void Start(std::function<int()> after_events, int spin_us = 0, std::function<bool()> busy = nullptr);
+  // on_stall, if given, gets the time not run found when the loop wakes, before any handler or task of
+  // that iteration runs (so that deadlines they set are not moved by it); without it TakeStall returns it.
+  void Start(std::function<int()> after_events, int spin_us = 0, std::function<bool()> busy = nullptr,
+             std::function<void(std::chrono::steady_clock::duration)> on_stall = nullptr);
   // Stops and joins the thread, then runs what is still posted on the calling thread.
   void Stop();
 
@@ -135,6 +138,7 @@ class EventLoop {
   std::atomic<bool> running_{false};
   std::function<int()> after_events_;
   std::function<bool()> busy_;
+  std::function<void(std::chrono::steady_clock::duration)> on_stall_;
   int spin_us_ = 0;
   StallMeter stall_meter_;                          // driving thread only
   std::chrono::steady_clock::duration stalled_{0};  // driving thread only: found on waking, not yet taken
