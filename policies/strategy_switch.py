@@ -8,7 +8,10 @@ the gradient noise dominates and synchronous SGD's exact averaging converges bet
 The noise scale rising, or the SNR of the applied gradient falling, says that moment has come.
 
 The switch happens at the first call at which any trigger holds, and only once: the policy remembers it
-(in its state) and never switches back, nor fights another policy that switches later. The gradient
+(in its state) and never switches back, nor fights another policy that switches later. A resumed run
+(ctx.resumed) at or past at_step switches in before_train, since no checkpoint holds the strategy; a switch
+that a threshold made is not remembered across a resume (policy state is not saved): it happens again
+when the threshold next holds. The gradient
 monitors refresh in S-SGD and SMA steps, not in pair averaging's (docs/monitoring.md, "Strategies"):
 from pair_averaging, a threshold sees the values of the last S-SGD or SMA step, so switch by at_step.
 Branch-free, so it compiles into the training step.
@@ -54,11 +57,24 @@ class StrategySwitchPolicy(BasePolicy):
         self.interval = rd.check_number(who, "interval", interval, low=1, integer=True)
 
     def due(self, hook, step):
+        if hook == "before_train":  # a resumed run's catching up (past step 0)
+            return self.at_step is not None and step > 0
         if hook != "after_step" or step % self.interval:
             return False
         if self.gns_above is None and self.snr_below is None:  # only at_step: one call can switch
             return step == -(-self.at_step // self.interval) * self.interval
         return True
+
+    def before_train(self, ctx):
+        """A resumed run (ctx.resumed: restored from a checkpoint, which holds no strategy) at or past at_step
+        switches now, as the uninterrupted run had: after_step is due at one step only, which such a run
+        never sees again. (A switch a threshold made is not remembered across a resume.)"""
+        if self.at_step is None or not getattr(ctx, "resumed", False):
+            return
+        s = ctx.state(self, switched=0.0, switched_at=0.0)
+        fire = ctx.math.all(s.switched < 0.5, ctx.step >= self.at_step)
+        ctx.set_strategy(self.to, when=fire)
+        s.update(when=fire, switched=1.0, switched_at=ctx.step)
 
     def after_step(self, ctx):
         m = ctx.math

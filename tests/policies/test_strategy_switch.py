@@ -20,6 +20,24 @@ def test_switches_at_the_step_once():
     assert log == {30: {"strategy": "ssgd"}}
 
 
+def test_a_resumed_run_past_the_step_switches_before_training():
+    """Restored from a checkpoint (which holds no strategy) past at_step: before_train switches, as the
+    uninterrupted run had; after_step, due at one step only, would never come again."""
+    from policies.context import Context
+
+    p = strategy_switch("ssgd", at_step=10)
+    assert p.due("before_train", 14) and not p.due("before_train", 0)
+    resumed = Context(step=14, batch_size=8, cluster_size=2, learning_rate=0.1, strategy="sma", resumed=True)
+    p.before_train(resumed)
+    assert resumed.strategy == "ssgd"
+    early = Context(step=6, batch_size=8, cluster_size=2, learning_rate=0.1, strategy="sma", resumed=True)
+    strategy_switch("ssgd", at_step=10).before_train(early)
+    assert early.strategy == "sma"  # not yet: after_step switches at step 10 as usual
+    later_fit = Context(step=14, batch_size=8, cluster_size=2, learning_rate=0.1, strategy="sma")
+    strategy_switch("ssgd", at_step=10).before_train(later_fit)
+    assert later_fit.strategy == "sma"  # not resumed (a later fit of the same run): left alone
+
+
 def test_a_step_switch_is_called_once_a_threshold_switch_every_interval():
     p = strategy_switch("ssgd", at_step=25, interval=10)
     assert [s for s in range(200) if p.due("after_step", s)] == [30]
