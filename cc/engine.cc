@@ -39,8 +39,8 @@ Status Engine::Impl::Start() {
   if (config_.timeout_seconds <= 0) return InvalidArgument("timeout must be positive");
   if (config_.chunk_bytes < 1 || static_cast<uint64_t>(config_.chunk_bytes) > kMaxPayloadBytes ||
       config_.ring_threshold_bytes < 0 || static_cast<uint64_t>(config_.ring_threshold_bytes) > kMaxPayloadBytes) {
-    return InvalidArgument("chunk_bytes and ring_threshold_bytes must be between 1 and " +
-                           std::to_string(kMaxPayloadBytes));
+    return InvalidArgument("chunk_bytes must be between 1 and " + std::to_string(kMaxPayloadBytes) +
+                           ", ring_threshold_bytes between 0 and " + std::to_string(kMaxPayloadBytes));
   }
   dead_.assign(n, Status::OK());
   left_.assign(n, false);
@@ -86,7 +86,7 @@ Status Engine::Impl::AwaitIncoming() {
   }
   return DeadlineExceeded("only " + std::to_string(incoming_) + " of the " + std::to_string(want) +
                           " other workers connected to " + config_.peers.Describe(config_.rank) + " within " +
-                          std::to_string(config_.timeout_seconds) + " s (KUNGFU_TIMEOUT)");
+                          FormatNumber(config_.timeout_seconds) + " s (KUNGFU_TIMEOUT)");
 }
 
 Status Engine::Impl::ConnectToPeers() {

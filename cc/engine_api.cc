@@ -175,8 +175,8 @@ Status ReadEnvNumber(const char* var, double min, double max, double* out) {
   char* end = nullptr;
   const double x = std::strtod(v, &end);
   if (*end != '\0' || !(x >= min && x <= max)) {
-    return InvalidArgument(std::string(var) + "='" + v + "' is not a number between " + std::to_string(min) +
-                           " and " + std::to_string(max));
+    return InvalidArgument(std::string(var) + "='" + v + "' is not a number between " + FormatNumber(min) +
+                           " and " + FormatNumber(max));
   }
   *out = x;
   return Status::OK();

@@ -392,7 +392,7 @@ int Engine::Impl::AfterEvents() {
   // complete it from what this worker had sent, so that every worker sees the same outcome.
   for (auto& [id, progress] : expired) {
     Fail(id,
-         DeadlineExceeded("timed out after " + std::to_string(config_.timeout_seconds) + " s (KUNGFU_TIMEOUT); " +
+         DeadlineExceeded("timed out after " + FormatNumber(config_.timeout_seconds) + " s (KUNGFU_TIMEOUT); " +
                           progress),
          true);
   }

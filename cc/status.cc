@@ -1,5 +1,6 @@
 #include "cc/status.h"
 
+#include <cstdio>
 #include <cstring>
 
 namespace kungfu {
@@ -40,6 +41,12 @@ Status ErrnoStatus(Code code, const std::string& what, int err) {
   // GNU strerror_r returns a char* that may or may not point into buf.
   const char* text = strerror_r(err, buf, sizeof(buf));
   return Status(code, what + ": " + text);
+}
+
+std::string FormatNumber(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", x);
+  return buf;
 }
 
 }  // namespace kungfu

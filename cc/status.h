@@ -63,6 +63,9 @@ inline Status AlreadyExists(std::string m) { return Status(Code::kAlreadyExists,
 // An OS error with errno text: "connect to 127.0.0.1:9: Connection refused".
 Status ErrnoStatus(Code code, const std::string& what, int err);
 
+// A number for messages, as a person writes it: "5", "0.5", "1e+07" (not std::to_string's "5.000000").
+std::string FormatNumber(double x);
+
 template <typename T>
 class StatusOr {
  public:

@@ -577,7 +577,7 @@ def test_init_errors_name_the_kfrun_flag_that_fixes_them():
     message = _lib._init_error_message(14, cluster, text)
     assert message.startswith("kungfu.init (rank 1 of 2): listening as") and "`kfrun --port-range A-B`" in message
     assert "`kfrun --timeout`" in _lib._init_error_message(4, cluster, "peer 127.0.0.1:25001 (rank 0): not up")
-    timeout = "allreduce 'g': timed out after 5.000000 s (KUNGFU_TIMEOUT); waiting for rank 1"
+    timeout = "allreduce 'g': timed out after 5 s (KUNGFU_TIMEOUT); waiting for rank 1"
     e = errors.from_code(4, timeout)
     assert "(KUNGFU_TIMEOUT, set by `kfrun --timeout`); waiting for rank 1" in str(e), str(e)
     assert str(errors.from_code(14, timeout)) == timeout  # not a timeout: left alone

@@ -303,6 +303,20 @@ def test_first_collective_in_a_later_trace():
     assert out.stdout.strip().splitlines()[-1] == "[1.0, 1.0] [1.0, 1.0]"
 
 
+def test_a_bad_engine_setting_is_a_value_error_naming_it():
+    # The engine refuses it as InvalidArgument, which for collectives means the workers disagree
+    # (MismatchError): at init() it is a bad setting in the environment, a plain ValueError.
+    code = ("import kungfu, kungfu.errors\n"
+            "try:\n"
+            "    kungfu.init()\n"
+            "except ValueError as e:\n"
+            "    print(type(e).__name__, isinstance(e, kungfu.errors.MismatchError), 'KUNGFU_CHUNK_BYTES' in str(e))\n")
+    env = dict(os.environ, KUNGFU_CHUNK_BYTES="0")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "ValueError False True", out.stdout
+
+
 def test_library_path_from_env(monkeypatch, tmp_path):
     monkeypatch.setenv("KUNGFU_LIBRARY", str(tmp_path / "lib.so"))
     assert _lib.library_path() == str(tmp_path / "lib.so")

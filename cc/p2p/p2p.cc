@@ -214,7 +214,7 @@ void PeerToPeer::ExpireOverdue(Deadline now) {
   std::vector<std::pair<uint32_t, Status>> expired;
   for (const auto& [id, f] : requests_) {
     if (now < f.deadline) continue;
-    expired.emplace_back(id, DeadlineExceeded("timed out after " + std::to_string(ctx_->config().timeout_seconds) +
+    expired.emplace_back(id, DeadlineExceeded("timed out after " + FormatNumber(ctx_->config().timeout_seconds) +
                                               " s (KUNGFU_TIMEOUT) waiting for " + PeerName(f.r.peer) + "; received " +
                                               std::to_string(f.received) + " of " +
                                               std::to_string(f.r.count * static_cast<int64_t>(DTypeSize(f.r.dtype))) +

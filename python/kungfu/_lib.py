@@ -137,7 +137,10 @@ def init():
         code = lib.c.kungfu_init(",".join(cluster.peers).encode(), cluster.rank, cluster.token.encode(),
                                  float(cluster.timeout), cluster.version, err, _ERR_LEN)
         if code != 0:
-            raise errors.from_code(code, _init_error_message(code, cluster, err.value.decode(errors="replace")))
+            message = _init_error_message(code, cluster, err.value.decode(errors="replace"))
+            if code == errors._INVALID_ARGUMENT:  # a bad engine setting (KUNGFU_CHUNK_BYTES=0, say): no mismatch
+                raise ValueError(message)
+            raise errors.from_code(code, message)
         _cluster = cluster
         _owner_pid = os.getpid()
         if not _atexit_registered:
@@ -183,7 +186,8 @@ def _resolve_cluster():
     try:
         return _env.resolve_cluster()
     except TimeoutError as e:  # on every rank once rank 0's deadline has passed (kungfu._rendezvous)
-        hint = "" if "KUNGFU_TIMEOUT" in str(e) else f" (KUNGFU_TIMEOUT, set by {_env.timeout_knob()})"
+        knob = _env.timeout_knob()
+        hint = "" if knob in str(e) else f" (KUNGFU_TIMEOUT, set by {knob})"
         raise errors.CollectiveTimeout(f"kungfu.init: rendezvous timed out: {e}{hint}") from e
     except ConnectionError as e:  # refused by rank 0 (another job, another token) or cut off
         raise errors.PeerError(f"kungfu.init: rendezvous failed: {e}") from e
