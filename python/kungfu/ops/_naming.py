@@ -228,13 +228,19 @@ def token(eager=None):
 # TensorFlow's automatic control dependencies order after the previous stateful op only when it takes no
 # resource input; one that reads a captured variable takes that variable, and two calls of it would then
 # run together, their collectives (one key) meeting the other workers' in either order. So every call of
-# a function that holds a collective (directly or through its own calls) also "writes" one sentinel
-# tensor of the calling graph: such calls run one after another, in program order. Functions holding
+# a function that holds a collective (directly or through its own calls), and every tf.cond, tf.while_loop
+# or tf.switch_case whose branches, body or condition hold one, also "writes" one sentinel tensor of the
+# calling graph: they run one after another, in program order. Functions holding
 # collectives are marked when a collective's token is made in them (token()), and a function calling one
 # is marked when this resolver sees the call, before the caller's own calls are resolved.
 _HOLDS = "_kungfu_holds_collectives"
+_SENTINEL = "_kungfu_call_order"  # the calling graph's sentinel tensor (an attribute: a dict keyed by the
+#                                   graph, holding a tensor of that graph, would keep every graph alive)
 _CALL_OPS = frozenset({"StatefulPartitionedCall", "PartitionedCall"})
-_call_sentinels = weakref.WeakKeyDictionary()  # calling graph -> its sentinel tensor
+# Control flow runs functions too (its branches, bodies and conditions), by these attributes.
+_FUNCTION_ATTRS = {"If": ("then_branch", "else_branch"), "StatelessIf": ("then_branch", "else_branch"),
+                   "While": ("cond", "body"), "StatelessWhile": ("cond", "body"),
+                   "Case": ("branches",), "StatelessCase": ("branches",)}
 
 
 def _mark_holding(graph):
@@ -245,23 +251,41 @@ def _mark_holding(graph):
             pass
 
 
-def _called_graph(op):
-    """The FuncGraph that call op `op` runs, or None where TF does not keep one."""
-    try:
-        return getattr(op.graph._get_function(op.get_attr("f").name), "graph", None)
-    except (AttributeError, ValueError, KeyError):
-        return None
+def _called_graphs(op):
+    """The FuncGraphs that op runs: a call's function, or a control-flow op's branches, bodies and
+    condition; those TF does not keep are left out."""
+    if op.type in _CALL_OPS:
+        names = [op.get_attr("f").name]
+    elif op.type in _FUNCTION_ATTRS:
+        names = []
+        for attr in _FUNCTION_ATTRS[op.type]:
+            value = op.get_attr(attr)
+            names += [f.name for f in value] if isinstance(value, list) else [value.name]
+    else:
+        return []
+    graphs = []
+    for name in names:
+        try:
+            graph = getattr(op.graph._get_function(name), "graph", None)
+        except (AttributeError, ValueError, KeyError):
+            graph = None
+        if graph is not None:
+            graphs.append(graph)
+    return graphs
 
 
 def _order_calls(op, reads, writes):
     """An auto-control-dependency resource resolver (see above): True when it added the sentinel."""
-    if op.type not in _CALL_OPS or not getattr(_called_graph(op), _HOLDS, False):
+    if op.type not in _CALL_OPS and op.type not in _FUNCTION_ATTRS:
+        return False
+    if not any(getattr(g, _HOLDS, False) for g in _called_graphs(op)):
         return False
     _mark_holding(op.graph)
-    sentinel = _call_sentinels.get(op.graph)
+    sentinel = getattr(op.graph, _SENTINEL, None)
     if sentinel is None:
         with op.graph.as_default(), tf.control_dependencies(None):
-            sentinel = _call_sentinels[op.graph] = tf.constant(0, name="kungfu_call_order")
+            sentinel = tf.constant(0, name="kungfu_call_order")
+        setattr(op.graph, _SENTINEL, sentinel)
     if sentinel in writes:
         return False
     writes.add(sentinel)
