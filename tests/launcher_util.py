@@ -160,11 +160,11 @@ def _preexec(ignored, closed):
     return setup
 
 
-def start_kfrun(args, reaper, extra_env=None, ignored=(), closed=(), stdout=subprocess.PIPE):
+def start_kfrun(args, reaper, extra_env=None, ignored=(), closed=(), stdout=subprocess.PIPE, stderr=subprocess.PIPE):
     """Starts kfrun in a session of its own; ignored: signals it starts with ignored (as nohup does);
     closed: its file descriptors to close (1: `kfrun ... >&-`), whose pipes here then read nothing;
-    stdout: where its stdout goes (a pipe read through proc.stdout unless given)."""
-    proc = subprocess.Popen(KFRUN + args, stdout=stdout, stderr=subprocess.PIPE, text=True,
+    stdout, stderr: where they go (pipes read through proc.stdout and proc.stderr unless given)."""
+    proc = subprocess.Popen(KFRUN + args, stdout=stdout, stderr=stderr, text=True,
                             env=_env(dict(extra_env or {}, PID_DIR=str(reaper[0]))), start_new_session=True,
                             preexec_fn=_preexec(ignored, closed))
     reaper[1].append(proc)

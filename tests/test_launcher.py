@@ -187,6 +187,29 @@ def test_a_signal_while_kfrun_still_writes_the_output_drops_the_rest(reaper):
     assert "[kfrun] got SIGINT while still writing the workers' output; dropped the rest of worker " in err, err
 
 
+def test_a_signal_ends_kfrun_when_its_stdout_and_stderr_share_one_blocked_pipe(reaper):
+    """`kfrun ... 2>&1 | less` with less paused: the notes' writer is stuck behind the workers' output on the
+    one pipe, and Ctrl-C must still end kfrun (a second wait for the notes once hung it for good)."""
+    pid_dir, _ = reaper
+    r, w = os.pipe()
+    try:
+        proc = start_kfrun(["-np", "2", "--", sys.executable, "-c", FILL_WORKER, "500", "0", "oo"], reaper,
+                           stdout=w, stderr=w)
+        os.close(w)
+        w = None
+        wait_for_files(pid_dir, ["f0", "f1"])
+        deadline = time.monotonic() + 20
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, "kfrun did not exit on SIGINT"
+            proc.send_signal(signal.SIGINT)
+            time.sleep(0.5)
+        assert proc.returncode == 128 + signal.SIGINT
+    finally:
+        os.close(r)
+        if w is not None:
+            os.close(w)
+
+
 @pytest.mark.parametrize("writes", [False, True], ids=["idle", "writing"])
 def test_a_pipe_that_a_process_left_running_holds_open_is_given_up(writes, tmp_path, reaper):
     """ssh's ControlPersist master, which kfrun leaves running, here keeps the worker's stdout open: kfrun

@@ -108,6 +108,7 @@ class LinePrinter:
         self._err_lock = self._out_lock if self._out.same_file(self._err) else threading.Lock()
         self._notes = queue.SimpleQueue()  # its put() may be called from a signal handler
         self._closed = False
+        self._gave_up = False  # close() stopped waiting on a signal (the notes writer is blocked for good)
         self._notes_writer = threading.Thread(target=self._write_notes, name="kfrun-notes", daemon=True)
         self._notes_writer.start()
 
@@ -141,9 +142,12 @@ class LinePrinter:
         if not self._closed:
             self._closed = True
             self._notes.put(None)
+        if self._gave_up:  # a signal already ended an earlier close's wait: a later one must not wait again
+            return False
         while self._notes_writer.is_alive():
             if stopped is not None and stopped():
                 self._notes_writer.join(DRAIN_GRACE)
+                self._gave_up = self._notes_writer.is_alive()
                 break
             self._notes_writer.join(0.05)
         return not self._notes_writer.is_alive()
