@@ -1,6 +1,7 @@
 #include "cc/status.h"
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 namespace kungfu {
@@ -44,8 +45,11 @@ Status ErrnoStatus(Code code, const std::string& what, int err) {
 }
 
 std::string FormatNumber(double x) {
-  char buf[32];
-  std::snprintf(buf, sizeof(buf), "%g", x);
+  char buf[40];
+  for (int digits = 6; digits <= 17; ++digits) {  // the shortest that reads back as x: 67108864, not 6.71089e+07
+    std::snprintf(buf, sizeof(buf), "%.*g", digits, x);
+    if (std::strtod(buf, nullptr) == x) break;
+  }
   return buf;
 }
 

@@ -62,8 +62,12 @@ class StrategySwitchPolicy(BasePolicy):
         if hook != "after_step" or step % self.interval:
             return False
         if self.gns_above is None and self.snr_below is None:  # only at_step: one call can switch
-            return step == -(-self.at_step // self.interval) * self.interval
+            return step == self._first_due()
         return True
+
+    def _first_due(self):
+        """The step at which the uninterrupted run switches by at_step: the first call at or after it."""
+        return -(-self.at_step // self.interval) * self.interval
 
     def before_train(self, ctx):
         """A resumed run (ctx.resumed: restored from a checkpoint, which holds no strategy) at or past at_step
@@ -72,7 +76,7 @@ class StrategySwitchPolicy(BasePolicy):
         if self.at_step is None or not getattr(ctx, "resumed", False):
             return
         s = ctx.state(self, switched=0.0, switched_at=0.0)
-        fire = ctx.math.all(s.switched < 0.5, ctx.step >= self.at_step)
+        fire = ctx.math.all(s.switched < 0.5, ctx.step >= self._first_due())
         ctx.set_strategy(self.to, when=fire)
         s.update(when=fire, switched=1.0, switched_at=ctx.step)
 

@@ -15,6 +15,7 @@ import atexit
 import ctypes
 import logging
 import os
+import re
 import sys
 import threading
 
@@ -34,6 +35,9 @@ _left = None  # the ClusterSpec this process left with finalize(), when it had p
 _forked_from = None  # in a child forked from a worker after init(): the worker's pid (see _after_fork_in_child)
 _owner_pid = None  # the pid of the process that ran init()
 _DTYPE_INT32, _OP_SUM = 2, 1  # cc/dtype.h wire values
+# How the engine refuses a bad KUNGFU_* setting at start (ApplyEnvOverrides in cc/engine_api.cc, the
+# config checks in cc/engine.cc), as against a peer's handshake (another build, another cluster version).
+_BAD_SETTING = re.compile(r"KUNGFU_[A-Z_]+(=| must)|chunk_bytes |timeout must")
 
 
 class _Library:
@@ -138,8 +142,8 @@ def init():
                                  float(cluster.timeout), cluster.version, err, _ERR_LEN)
         if code != 0:
             message = _init_error_message(code, cluster, err.value.decode(errors="replace"))
-            if code == errors._INVALID_ARGUMENT:  # a bad engine setting (KUNGFU_CHUNK_BYTES=0, say): no mismatch
-                raise ValueError(message)
+            if code == errors._INVALID_ARGUMENT and _BAD_SETTING.match(err.value.decode(errors="replace")):
+                raise ValueError(message)  # a bad engine setting (KUNGFU_CHUNK_BYTES=0, say), no mismatch
             raise errors.from_code(code, message)
         _cluster = cluster
         _owner_pid = os.getpid()
