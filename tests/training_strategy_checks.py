@@ -326,6 +326,48 @@ def switch_to_ssgd_makes_every_state_agree():
 
 
 @check
+def switch_to_ssgd_rescales_gradients_of_a_drifted_loss_scale():
+    """Under SMA one worker's LossScaleOptimizer skipped an overflowing step and halved its scale, so at the
+    switch to S-SGD the workers' gradients come scaled by different scales. The switching step must still
+    apply the mean of the workers' true gradients to their mean model (it unscaled the mean by rank 0's
+    scale alone, off by the ratio of the scales, on that one step)."""
+    rank = kungfu.rank()
+    if kungfu.size() == 1:
+        return
+    x, y = local_data()
+    loss = loss_fn()
+    model = make_model(100)
+    inner = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.05), initial_scale=2.0 ** 10,
+                                                dynamic_growth_steps=1000)
+    opt = kungfu.optimizers.DistributedOptimizer(inner, strategy="sma")
+
+    @tf.function
+    def step(xb, yb, blow_up):
+        with tf.GradientTape() as tape:
+            value = opt.scale_loss(loss(yb, model(xb, training=True)) * blow_up)
+        opt.apply_gradients(zip(tape.gradient(value, model.trainable_variables), model.trainable_variables))
+
+    step(x[:LOCAL_BATCH], y[:LOCAL_BATCH], np.float32(np.inf if rank == 1 else 1.0))  # rank 1 skips, halves
+    step(x[:LOCAL_BATCH], y[:LOCAL_BATCH], np.float32(1.0))
+    scales = kungfu.all_gather(np.array([float(opt.dynamic_scale.numpy())]), name="lso-switch/scales").numpy()
+    if len(set(scales.tolist())) < 2:
+        raise AssertionError(f"the loss scales should differ before the switch: {scales}")
+    xb, yb = x[LOCAL_BATCH:2 * LOCAL_BATCH], y[LOCAL_BATCH:2 * LOCAL_BATCH]
+    with tf.GradientTape() as tape:
+        value = loss(yb, model(xb, training=True))
+    grads = tape.gradient(value, model.trainable_variables)
+    want = [kungfu.all_reduce(v, op="mean", name=f"lso-switch/w{i}") - 0.05 *
+            kungfu.all_reduce(g, op="mean", name=f"lso-switch/g{i}")
+            for i, (v, g) in enumerate(zip(model.trainable_variables, grads))]
+    opt.strategy = "ssgd"
+    step(xb, yb, np.float32(1.0))
+    for i, (v, w) in enumerate(zip(model.trainable_variables, want)):
+        if not np.allclose(v.numpy(), w.numpy(), rtol=1e-4, atol=1e-6):
+            raise AssertionError(f"variable {i} after the switching step: off by up to "
+                                 f"{np.abs(v.numpy() - w.numpy()).max()} from the mean model minus the mean gradient")
+
+
+@check
 def monitors_and_a_threshold_switch_run_under_sma():
     """SMA exchanges models, not gradients: its due steps all-reduce the gradients for the monitors, so the
     estimates go on (the same on every worker) and a strategy_switch on the SNR fires from SMA."""

@@ -242,11 +242,22 @@ class DistributedMixin:
         def ssgd():
             # Coming from another strategy, the workers' models (and optimizer states) have drifted
             # apart, and the same mean gradient would keep them apart: start from their mean.
+            import keras
+
+            scale = self.dynamic_scale if isinstance(self, keras.optimizers.LossScaleOptimizer) else None
+            own_scale = None if scale is None else tf.identity(scale)  # read before the state is synced
             synced = tf.cond(switched, lambda: self._kungfu_average_state(v_live), lambda: tf.constant(False))
             with tf.control_dependencies([synced]):
-                return ssgd_step()
+                if scale is None:
+                    return ssgd_step(g_live)
+                # A LossScaleOptimizer's gradients come scaled by this worker's own loss scale, which under
+                # model averaging drifted from the others'; the sync just gave every worker rank 0's, by
+                # which the update unscales the mean. So on the switching step each worker's gradients
+                # are rescaled to rank 0's scale first (a factor of 1 on every other step).
+                inverse = tf.where(switched, own_scale / scale, tf.ones_like(own_scale))
+                return ssgd_step([_divided(g, inverse) for g in g_live])
 
-        def ssgd_step():
+        def ssgd_step(g_live):
             m = kf.monitors
             if m is None or not m.reduces:
                 return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
