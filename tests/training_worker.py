@@ -79,16 +79,19 @@ def broadcast_callback_waits_for_a_model_built_on_its_first_batch():
 def broadcast_callback_waits_for_a_subclassed_model_that_build_left_empty():
     """model.build(shape) marks a subclassed model with no build() method built without creating its layers'
     variables: the callback waits for them, as for a model built on its first batch, rather than build the
-    optimizer over none (fit then failed at its first step) and take the model as broadcast."""
+    optimizer over none (fit then failed at its first step) and take the model as broadcast. Its add_weight
+    in __init__ makes one variable that build() leaves: building the optimizer over that one alone failed
+    the same way ("Unknown variable")."""
     import warnings
 
     class Subclassed(keras.Model):
         def __init__(self):
             super().__init__()
             self.hidden, self.out = keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(CLASSES)
+            self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
 
         def call(self, x):
-            return self.out(self.hidden(x))
+            return self.out(self.hidden(x)) * self.scale
 
     x, y = local_data()
     keras.utils.set_random_seed(100 + kungfu.rank())

@@ -111,15 +111,16 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
 
 def _built(model, stepped):
-    """Whether model has its variables. model.built alone does not say: model.build(shape) on a subclassed
-    model with no build() method marks it built and creates no variables (Keras 3.15 warns). So a built
-    model must also have some trainable variables (a Dropout's seed state exists from the start), or a
-    step must have run. (Not "every layer built": a layer that the model's call never uses, an auxiliary
-    head, stays unbuilt, and such a model called on a batch is broadcast before the first step, as
-    docs/training.md says.)"""
+    """Whether model has all its variables. model.built alone does not say: model.build(shape) on a
+    subclassed model with no build() method marks it built and creates none of its layers' variables (Keras
+    3.15 warns), while an add_weight in its __init__ may have made one. So every layer must be built too,
+    Keras's own test before fit; or a step must have run. Broadcasting (and building the optimizer over) a
+    part of the variables would leave the rest unbroadcast and make the first step fail ("Unknown variable").
+    A model with a layer its call never uses (an auxiliary head) is therefore broadcast before the second
+    step rather than the first, as a lazily built one is: still every worker trains from root's weights."""
     if not model.built:
         return False
-    return stepped or len(model.trainable_weights) > 0
+    return stepped or all(layer.built for layer in model._flatten_layers(include_self=False))
 
 
 def _seed_states(model):
