@@ -276,59 +276,6 @@ void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char
   pending_[key].push_back(PendingFrame{src, h, std::move(owned)});
 }
 
-void Engine::Impl::CheckBroken(Connection* c) {
-  Status why;
-  if (c->TakeError(&why)) OnConnectionError(c->peer(), why);
-}
-
-void Engine::Impl::OnConnectionError(int peer, const Status& s) {
-  // A peer that leaves cleanly says goodbye on the connection it writes to, then closes both; the
-  // close of the other one can be seen first, so read all that is waiting here before judging (one
-  // OnReadable() stops after a budget, and the goodbye may sit behind megabytes of data).
-  while (dead_[peer].ok() && in_[peer] && !in_[peer]->broken() && in_[peer]->OnReadable()) {
-  }
-  Connection* out = out_[peer].get();
-  if (out && out->broken()) loop_.Remove(out->fd());
-  // Only the stream this worker writes to has closed. Across two TCP streams on a real network, that
-  // close can arrive before the goodbye on the other one, so wait for the other one's own close (a
-  // crashed peer's comes at once) or a short grace, rather than take a clean leave for a crash.
-  if (dead_[peer].ok() && in_[peer] && !in_[peer]->broken() && !stopping_) {
-    if (!judge_at_[peer]) {
-      judge_at_[peer] = DeadlineAfter(std::min(2.0, config_.timeout_seconds));
-      judge_why_[peer] = s;
-    }
-    return;
-  }
-  Judge(peer, judge_at_[peer] ? judge_why_[peer] : s);
-}
-
-void Engine::Impl::Judge(int peer, const Status& s) {
-  judge_at_[peer].reset();
-  SettleReceiving(peer);  // a frame cut short by the close is never delivered
-  const bool judged = !dead_[peer].ok();  // already gone, or left cleanly (OnPeerLeft)
-  for (auto* c : {out_[peer].get(), in_[peer].get()}) {
-    if (!c) continue;
-    // Gone for good: close both directions, so that a peer that is still alive (this worker refused
-    // its frame, say) sees the close at once instead of waiting for its timeout.
-    if (!judged) c->Close(Unavailable("closed after an error"));
-    if (c->broken()) loop_.Remove(c->fd());
-  }
-  if (judged) return;
-  dead_[peer] = Unavailable("peer " + config_.peers.Describe(peer) + ": " + s.message());
-  if (first_dead_.ok()) first_dead_ = dead_[peer];
-  // A peer that leaves while nothing is in flight has simply finished; say more only when it hurts.
-  if (!stopping_ && (!ops_.empty() || !p2p_.idle())) {
-    KF_LOG(Warning) << "rank " << rank() << ": " << dead_[peer].message() << "; failing " << ops_.size()
-                    << " collective(s) and the requests to it in flight";
-  } else {
-    KF_LOG(Info) << "rank " << rank() << ": " << dead_[peer].message();
-  }
-  p2p_.OnPeerGone(peer, dead_[peer]);
-  std::vector<uint64_t> ids;
-  for (auto& [key, a] : ops_) ids.push_back(a.op->id);
-  for (uint64_t id : ids) Fail(id, dead_[peer], false);
-}
-
 // Deadlines. Every collective and peer-to-peer request gets KUNGFU_TIMEOUT on the monotonic clock when it
 // starts (StartOp, PeerToPeer::Start), a half-closed peer a short grace (judge_at_), and they are checked
 // here, once per loop iteration, by whichever thread drives the loop. That clock keeps running while the

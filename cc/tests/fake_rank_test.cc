@@ -47,6 +47,21 @@ FakeRank ConnectFakeRank(const PeerList& peers, const HandshakeParams& hs, int s
   return f;
 }
 
+// Rank 0 of `peers` (2), a real engine with a 20 s timeout, and a fake rank 1 connected to it (*fake1).
+StatusOr<std::unique_ptr<Engine>> StartBesideFakeRank1(const PeerList& peers, FakeRank* fake1) {
+  HandshakeParams hs;
+  hs.token = "test-token";
+  hs.peers = &peers;
+  std::thread fake([&] { *fake1 = ConnectFakeRank(peers, hs, 1); });
+  EngineConfig c;
+  c.peers = peers;
+  c.token = "test-token";
+  c.timeout_seconds = 20;
+  auto engine = Engine::Start(c);
+  fake.join();
+  return engine;
+}
+
 // The bytes of one frame: header, name, no pad, then h.payload_bytes of payload filled with 1.0f.
 std::vector<uint8_t> EncodeFrame(const FrameHeader& h, const std::string& name) {
   std::vector<uint8_t> frame(kFrameHeaderSize + name.size() + h.payload_bytes);
@@ -63,17 +78,8 @@ std::vector<uint8_t> EncodeFrame(const FrameHeader& h, const std::string& name) 
 // for a clean leave ("has left the cluster"), not for a crash ("closed the connection").
 TEST(Leave, GoodbyeAfterTheOtherStreamClosedIsStillAGoodbye) {
   const PeerList peers = testing::LoopbackPeers(2);
-  HandshakeParams hs;
-  hs.token = "test-token";
-  hs.peers = &peers;
   FakeRank fake1;
-  std::thread fake([&] { fake1 = ConnectFakeRank(peers, hs, 1); });
-  EngineConfig c;
-  c.peers = peers;
-  c.token = "test-token";
-  c.timeout_seconds = 20;
-  auto engine = Engine::Start(c);
-  fake.join();
+  auto engine = StartBesideFakeRank1(peers, &fake1);
   ASSERT_OK(engine.status());
   Fd& rank0_writes = fake1.rank0_writes;
   Fd& rank0_reads = fake1.rank0_reads;
@@ -102,17 +108,8 @@ TEST(Leave, GoodbyeAfterTheOtherStreamClosedIsStillAGoodbye) {
 // naming rank 1, and "b" completes with rank 1's data.
 TEST(Leave, FinalizingNoticeFailsExactlyTheCollectivesThePeerNeverStarted) {
   const PeerList peers = testing::LoopbackPeers(2);
-  HandshakeParams hs;
-  hs.token = "test-token";
-  hs.peers = &peers;
   FakeRank fake1;
-  std::thread fake([&] { fake1 = ConnectFakeRank(peers, hs, 1); });
-  EngineConfig c;
-  c.peers = peers;
-  c.token = "test-token";
-  c.timeout_seconds = 20;
-  auto engine = Engine::Start(c);
-  fake.join();
+  auto engine = StartBesideFakeRank1(peers, &fake1);
   ASSERT_OK(engine.status());
   ASSERT_TRUE(fake1.rank0_reads.valid());
   Waiter wa, wb;
