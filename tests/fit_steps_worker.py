@@ -1,12 +1,18 @@
-"""The worker of test_training_mp.py's unknown-length check, started twice by kfrun. Not a test module.
+"""The worker of test_training_mp.py's epoch-end checks, started by kfrun on 2 workers. Not a test module.
 
-    python -m kungfu.launcher -np 2 --timeout 5 -- python tests/fit_steps_worker.py
+    python -m kungfu.launcher -np 2 --timeout 5 -- python tests/fit_steps_worker.py CASE
 
-Each worker's dataset has no known length (a .filter()), and rank 1's gives one batch more, so fit
-cannot compare the step counts before it starts. BroadcastGlobalVariablesCallback compares them at the
-epoch's end instead: rank 0, whose data ran out first, must raise ValueError there saying why (after
-KUNGFU_TIMEOUT), and never start epoch 1 with rank 1's extra batch as its partner; rank 1 fails in its
-extra step. Prints one KFCHECK line per worker (tests/mp.py).
+Rank 1's data gives one batch more than rank 0's, in a way fit's count of steps per epoch, compared before
+the first step, does not show. CASE:
+  unknown       datasets of unknown length (a .filter()): fit knows no count;
+  arrays        arrays of 9 and 8 rows, batch 4, steps_per_epoch=2: Keras keeps the arrays' iterator across
+                epochs, so rank 0's epoch 1 ends after one batch ("ran out of data") and rank 1's after two;
+  dataset       datasets of 4 and 5 batches, not repeated, steps_per_epoch=5: rank 0's epoch 0 ends at the
+                fetch that finds its data exhausted.
+BroadcastGlobalVariablesCallback compares the batches begun at each epoch's end: the worker whose data ran
+out first must raise ValueError there saying why (after KUNGFU_TIMEOUT), and never start its next epoch with
+the other's extra batch as its partner (which, with the same shapes, trained on silently); the other fails
+in its extra step. Prints one KFCHECK line per worker (tests/mp.py).
 """
 
 import mp
@@ -25,12 +31,24 @@ from kungfu.keras import callbacks as kf_callbacks  # noqa: E402
 BATCH = 4
 
 
-def epochs_of_unknown_length_that_end_apart_fail():
+def _data(case, rank):
+    """(fit's data arguments, the epoch where rank 0 runs out)."""
+    if case == "arrays":
+        x = np.random.RandomState(rank).normal(size=(9 - rank, 3)).astype(np.float32)  # rank 0: 4 + 4 + 1 rows
+        return dict(x=x, y=x[:, :1], batch_size=BATCH, steps_per_epoch=2), 1
+    x = np.random.RandomState(rank).normal(size=((4 + rank) * BATCH, 3)).astype(np.float32)  # 4 and 5 batches
+    ds = tf.data.Dataset.from_tensor_slices((x, x[:, :1]))
+    if case == "unknown":
+        ds = ds.filter(lambda a, b: True).batch(BATCH)
+        assert ds.cardinality() == tf.data.UNKNOWN_CARDINALITY
+        return dict(x=ds), 0
+    assert case == "dataset", case
+    return dict(x=ds.batch(BATCH), steps_per_epoch=5), 0
+
+
+def epochs_that_end_apart_fail():
     rank = kungfu.rank()
-    rows = (4 + rank) * BATCH  # rank 0: 4 batches, rank 1: 5
-    x = np.random.RandomState(rank).normal(size=(rows, 3)).astype(np.float32)
-    ds = tf.data.Dataset.from_tensor_slices((x, x[:, :1])).filter(lambda a, b: True).batch(BATCH)
-    assert ds.cardinality() == tf.data.UNKNOWN_CARDINALITY
+    data, short_epoch = _data(sys.argv[1], rank)
     keras.utils.set_random_seed(1)
     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
     model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
@@ -41,22 +59,22 @@ def epochs_of_unknown_length_that_end_apart_fail():
             epochs.append(epoch)
 
     try:
-        model.fit(ds, epochs=3, verbose=0, callbacks=[kf_callbacks.BroadcastGlobalVariablesCallback(0), Epochs()])
+        model.fit(**data, epochs=3, verbose=0, callbacks=[kf_callbacks.BroadcastGlobalVariablesCallback(0), Epochs()])
     except ValueError as e:
-        if rank != 0 or "epoch 0 ran out of data" not in str(e):
+        if rank != 0 or f"epoch {short_epoch} ran out of data" not in str(e):
             raise AssertionError(f"unexpected ValueError on rank {rank}: {e}") from e
     except tf.errors.OpError as e:
         if rank != 1:
             raise AssertionError(f"unexpected {type(e).__name__} on rank {rank}: {e.message}") from e
     else:
         raise AssertionError("fit with epochs of different lengths did not raise")
-    if epochs != [0]:
-        raise AssertionError(f"rank {rank} began epochs {epochs}: it trained past the first one")
+    if epochs != list(range(short_epoch + 1)):
+        raise AssertionError(f"rank {rank} began epochs {epochs}: it trained past epoch {short_epoch}")
 
 
 def main():
     kungfu.init()
-    sys.exit(1 if mp.run_checks([epochs_of_unknown_length_that_end_apart_fail], kungfu.rank()) else 0)
+    sys.exit(1 if mp.run_checks([epochs_that_end_apart_fail], kungfu.rank()) else 0)
 
 
 if __name__ == "__main__":

@@ -72,9 +72,10 @@ def test_pair_averaging_outlives_a_peer_that_finished_first(tmp_path):
     assert code == 0, out[-4000:]
 
 
-def test_epochs_of_unknown_length_that_end_apart_fail_at_the_epoch_end(tmp_path):
-    """Datasets of unknown length, one batch longer on rank 1: see tests/fit_steps_worker.py."""
+@pytest.mark.parametrize("case", ["unknown", "arrays", "dataset"])
+def test_epochs_that_end_apart_fail_at_the_epoch_end(tmp_path, case):
+    """Data one batch longer on rank 1, which fit's step count does not show: see tests/fit_steps_worker.py."""
     worker = os.path.join(REPO, "tests", "fit_steps_worker.py")
-    code, out = launch(2, [worker], tmp_path, timeout=5, budget=120)
-    problems = checks_problems(out, ["epochs_of_unknown_length_that_end_apart_fail"], 2)
+    code, out = launch(2, [worker, case], tmp_path, timeout=5, budget=120)
+    problems = checks_problems(out, ["epochs_that_end_apart_fail"], 2)
     assert not problems, "\n".join(problems) + "\n" + out[-4000:]

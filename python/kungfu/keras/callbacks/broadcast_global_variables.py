@@ -33,10 +33,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     of fit's step count), unless the optimizer runs pair averaging, which waits for no other worker's
     step. With S-SGD a worker with one batch more would wait for the others' gradients at its last
     step until KUNGFU_TIMEOUT; instead every worker raises ValueError at once, naming the counts.
-    When fit cannot know the count (a dataset of unknown length, e.g. after .filter()), the workers
-    compare at every epoch's end how many batches they took instead: one that ran out first waits
-    there, and raises ValueError, rather than pairing its next epoch's gradients with another worker's
-    extra batches; the others fail in that extra step (both at KUNGFU_TIMEOUT).
+    The same count does not make the same epochs: fit cannot know the count of a dataset of unknown
+    length (e.g. after .filter()), and with steps_per_epoch Keras ends an epoch early where a worker's
+    input runs out (arrays one row longer on one worker; a dataset without .repeat()). So the workers
+    also compare at every epoch's end how many batches they began (one small all-gather per epoch): one
+    that ran out first waits there, and raises ValueError saying so, rather than pairing its next
+    epoch's gradients with another worker's extra batches; the others fail in that extra step (both at
+    KUNGFU_TIMEOUT). An epoch that a callback stopped (model.stop_training) is not compared: no step
+    follows it.
 
     root_rank= is Horovod's spelling of root= (BroadcastGlobalVariablesCallback(root_rank=0)); giving both
     with different ranks raises ValueError.
@@ -46,7 +50,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         super().__init__()
         self.root = _variables.root_alias(root, root_rank, "BroadcastGlobalVariablesCallback")
         self._broadcast_for = None  # a weakref to the model last broadcast (a reused callback meets new ones)
-        self._check_epochs = False  # compare each epoch's batches (fit did not know the count)
+        self._check_epochs = False  # compare each epoch's batches (S-SGD or SMA, more than one worker)
+        self._steps = None  # fit's steps per epoch (None: unknown), for the epoch-end check's message
         self._batches = 0  # on_train_batch_begin calls in this epoch
         self._hooks = 0  # on_train_batch_begin calls in this fit (from the second on, a step has run)
 
@@ -65,9 +70,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         self._check_epochs = False
         self._hooks = 0
         if not isinstance(optimizer, DistributedMixin) or optimizer.strategy != "pair_averaging":
-            steps = self.params.get("steps")
-            _check_same_steps(steps)  # pair averaging waits for no one's step
-            self._check_epochs = steps is None and _lib.size() > 1
+            self._steps = self.params.get("steps")
+            _check_same_steps(self._steps)  # pair averaging waits for no one's step
+            self._check_epochs = _lib.size() > 1
         self._broadcast_once()
 
     def on_epoch_begin(self, epoch, logs=None):
@@ -81,10 +86,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         # Batches begun, which workers with the same data count alike (Keras begins one more for the fetch
-        # that finds a dataset of unknown length exhausted). Not the optimizer's iterations: a loss-scale
-        # optimizer skips those of an overflowing step, which under SMA is one worker's own.
-        if self._check_epochs:
-            _check_same_epoch_end(self._batches, epoch)
+        # that finds a dataset exhausted). Not the optimizer's iterations: a loss-scale optimizer skips
+        # those of an overflowing step, which under SMA is one worker's own.
+        if self._check_epochs and not getattr(self.model, "stop_training", False):
+            _check_same_epoch_end(self._batches, epoch, self._steps)
 
     def on_train_end(self, logs=None):
         if not self._done:  # a fit of one step
@@ -137,19 +142,26 @@ def _seed_states(model):
     return ids
 
 
-def _check_same_epoch_end(batches, epoch):
+def _check_same_epoch_end(batches, epoch, steps=None):
     """ValueError unless every worker's epoch began the same number of batches. A worker whose data ran out
     first waits here while the others take their extra steps (waiting for its gradients): both sides fail
-    at the timeout (or this one when the other, timed out first, has gone), and this side says why."""
+    at the timeout (or this one when the other, timed out first, has gone), and this side says why.
+    steps: fit's steps per epoch, or None (unknown), for the message."""
     from ...ops import all_gather
 
     try:
         counts = [int(c) for c in all_gather(tf.constant([batches], tf.int64), name="kungfu/epoch_steps").numpy()]
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
-        raise ValueError(f"model.fit: this worker's epoch {epoch} ran out of data, and another worker's did not end "
-                         "with it (it still trained, waiting for this worker's gradients): the workers' datasets, of "
-                         "unknown length, gave them different numbers of batches. Give each worker the same number "
-                         "(e.g. kungfu.data.AdaptiveDataset, or take() the same count)") from e
+        if steps is None:
+            why = "the workers' datasets, of unknown length, gave them different numbers of batches"
+        else:
+            why = (f"with steps_per_epoch={steps}, Keras ends an epoch early where a worker's input runs out (see its "
+                   "\"ran out of data\" warning), and this worker's ran out where another's did not")
+        raise ValueError(f"model.fit: this worker's epoch {epoch} ran out of data after {batches} batch(es) begun, "
+                         "and another worker's did not end with it (it still trained, waiting for this worker's "
+                         f"gradients): {why}. Give each worker the same number of batches (e.g. "
+                         "kungfu.data.AdaptiveDataset, take() the same count, or .repeat() the data with the same "
+                         "steps_per_epoch)") from e
     if len(set(counts)) > 1:
         shown = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
         raise ValueError(f"model.fit: the workers' epoch {epoch} began different numbers of batches ({shown}); "
@@ -169,4 +181,5 @@ def _check_same_steps(steps):
         raise ValueError(f"model.fit: the workers have different numbers of steps per epoch ({shown}); every "
                          "worker must take the same steps, or one waits for the others' gradients until the "
                          "timeout. Give each worker the same number of batches (e.g. trim the data to a multiple "
-                         "of size() * batch_size, use kungfu.data.AdaptiveDataset) or pass the same steps_per_epoch")
+                         "of size() * batch_size, use kungfu.data.AdaptiveDataset) or .repeat() the data and pass the same "
+                         "steps_per_epoch")
