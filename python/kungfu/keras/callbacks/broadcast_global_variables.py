@@ -63,13 +63,10 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         _lib.require_init("BroadcastGlobalVariablesCallback")
-        from ...optimizers import DistributedMixin
-
         model = self.model
-        optimizer = getattr(model, "optimizer", None)
         self._check_epochs = False
         self._hooks = 0
-        if not isinstance(optimizer, DistributedMixin) or optimizer.strategy != "pair_averaging":
+        if not _pair_averaging(model):
             self._steps = self.params.get("steps")
             _check_same_steps(self._steps)  # pair averaging waits for no one's step
             self._check_epochs = _lib.size() > 1
@@ -88,7 +85,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         # Batches begun, which workers with the same data count alike (Keras begins one more for the fetch
         # that finds a dataset exhausted). Not the optimizer's iterations: a loss-scale optimizer skips
         # those of an overflowing step, which under SMA is one worker's own.
-        if self._check_epochs and not getattr(self.model, "stop_training", False):
+        if self._check_epochs and not getattr(self.model, "stop_training", False) and not _pair_averaging(self.model):
             _check_same_epoch_end(self._batches, epoch, self._steps)
 
     def on_train_end(self, logs=None):
@@ -113,6 +110,14 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             variables += [v for v in optimizer.variables if id(v) not in own]
         _variables.broadcast_variables(variables, root=self.root, name="kungfu/broadcast_global_variables")
         self._broadcast_for = weakref.ref(model)
+
+
+def _pair_averaging(model):
+    """Whether model's optimizer runs pair averaging now, which waits for no other worker's step."""
+    from ...optimizers import DistributedMixin
+
+    optimizer = getattr(model, "optimizer", None)
+    return isinstance(optimizer, DistributedMixin) and optimizer.strategy == "pair_averaging"
 
 
 def _built(model, stepped):
@@ -181,5 +186,5 @@ def _check_same_steps(steps):
         raise ValueError(f"model.fit: the workers have different numbers of steps per epoch ({shown}); every "
                          "worker must take the same steps, or one waits for the others' gradients until the "
                          "timeout. Give each worker the same number of batches (e.g. trim the data to a multiple "
-                         "of size() * batch_size, use kungfu.data.AdaptiveDataset) or .repeat() the data and pass the same "
-                         "steps_per_epoch")
+                         "of size() * batch_size, use kungfu.data.AdaptiveDataset) or .repeat() the data and pass "
+                         "the same steps_per_epoch")
