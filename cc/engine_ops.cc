@@ -73,7 +73,8 @@ void Engine::Impl::Dispatch(ActiveOp& a, int src, const FrameHeader& h, const ch
                 InvalidArgument("peer " + config_.peers.Describe(src) + " passed a tensor of another shape or dtype (" +
                                 std::to_string(h.count) + " elements there" +
                                 (std::string(op->kind()) == "allreduce"
-                                     ? "; for gradients, a gradient that is None on some workers only does this"
+                                     ? "; for gradients, a gradient that is None on some workers only, or None for "
+                                       "different variables on different workers, does this"
                                      : "") +
                                 ")"),
                 true);

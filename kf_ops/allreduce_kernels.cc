@@ -121,6 +121,7 @@ class GroupAllReduceOp : public CollectiveKernel {
   GroupAllReduceOp(OpKernelConstruction* c, bool norms) : CollectiveKernel(c), norms_(norms) {
     OP_REQUIRES_OK(c, ReduceOpAttr(c, &op_));
     OP_REQUIRES_OK(c, c->GetAttr("fusion_bytes", &fusion_bytes_));
+    OP_REQUIRES_OK(c, c->GetAttr("layout", &layout_));
   }
   explicit GroupAllReduceOp(OpKernelConstruction* c) : GroupAllReduceOp(c, false) {}
 
@@ -171,12 +172,14 @@ class GroupAllReduceOp : public CollectiveKernel {
       }
     }
     // Parts are named by their place in the plan, whatever they hold, and every part's signature covers
-    // the whole group: workers whose lists differ (in length, a dtype, a shape) then meet at part 0 at
+    // the whole group: workers whose lists differ (in length, a dtype, a shape, the layout) then meet at part 0 at
     // least and fail there with InvalidArgument, which cancels the rest, instead of waiting out the timeout.
     std::vector<std::string> names;  // each part's collective name, as started below
     for (size_t p = 0; p < plan.size(); ++p) names.push_back(key + "/" + std::to_string(p));
     if (squares && carrier < 0) names.push_back(key + "/sq");
     uint32_t group_sig = CombineSignatures(static_cast<uint32_t>(n), static_cast<uint32_t>(fusion_bytes_));
+    group_sig = CombineSignatures(group_sig, static_cast<uint32_t>(layout_));
+    group_sig = CombineSignatures(group_sig, static_cast<uint32_t>(static_cast<uint64_t>(layout_) >> 32));
     for (int i = 0; i < n; ++i) {
       group_sig = CombineSignatures(group_sig, static_cast<uint32_t>(dtypes[i]));
       group_sig = CombineSignatures(group_sig, ShapeSignature(ctx->input(i).shape()));
@@ -311,6 +314,7 @@ class GroupAllReduceOp : public CollectiveKernel {
   const bool norms_;           // KfGroupAllReduceNorms: the norms flag input and the two norm outputs
   kungfu::ReduceOp op_{};      // from the reduce_op attr
   int64_t fusion_bytes_ = 0;   // bucket capacity; tensors this large or larger go alone
+  int64_t layout_ = 0;         // the caller's, checked like the shapes (the op's doc)
 };
 
 class GroupAllReduceNormsOp : public GroupAllReduceOp {

@@ -67,6 +67,7 @@ REGISTER_OP("KfGroupAllReduce")
     .Attr("T: list(" KF_REDUCE_TYPES ")")
     .Attr("reduce_op: {'sum', 'mean', 'min', 'max', 'prod'}")
     .Attr("fusion_bytes: int = 4194304")
+    .Attr("layout: int = 0")
     .Attr("blocking: bool = false")
     .SetIsStateful()
     .SetIsDistributedCommunication()
@@ -76,7 +77,10 @@ REGISTER_OP("KfGroupAllReduce")
     }))
     .Doc(R"doc(All-reduces every tensor of the list. Tensors smaller than fusion_bytes are packed, per
 dtype and in order, into buckets of at most fusion_bytes; each bucket and each larger tensor is one
-engine all-reduce, all in flight together.)doc");
+engine all-reduce, all in flight together. layout, which every worker must pass alike, is checked with
+the shapes and dtypes (InvalidArgument on every worker when it differs): the optimizers pass which of the
+variables have gradients, so workers whose gradients of the same shapes belong to different variables fail
+instead of averaging one variable's gradient with another's.)doc");
 
 REGISTER_OP("KfGroupAllReduceNorms")
     .Input("inputs: T")
@@ -89,6 +93,7 @@ REGISTER_OP("KfGroupAllReduceNorms")
     .Attr("T: list({half, bfloat16, float, double})")
     .Attr("reduce_op: {'sum', 'mean', 'min', 'max', 'prod'}")
     .Attr("fusion_bytes: int = 4194304")
+    .Attr("layout: int = 0")
     .Attr("blocking: bool = false")
     .SetIsStateful()
     .SetIsDistributedCommunication()
@@ -106,7 +111,7 @@ without passes over the data of their own: when norms is true, local_sq is the m
 each worker's sum of squares of its inputs, and reduced_sq the sum of squares of the outputs; when it is
 false both are 0 and no more is sent. The squares are summed in the copies into and out of the buckets; the
 local sums ride as one more element of the last float32 or float64 bucket (sum and mean), else in an
-all-reduce of one double of their own. norms must be the same on every worker.)doc");
+all-reduce of one double of their own. norms must be the same on every worker; layout as KfGroupAllReduce's.)doc");
 
 REGISTER_OP("KfBroadcast")
     .Input("input: T")

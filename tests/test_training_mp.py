@@ -29,7 +29,9 @@ EQUIVALENCE = ["fit_equals_single_process", "custom_loop_equals_single_process",
                "monitors_and_a_threshold_switch_run_under_sma",
                "sma_monitors_agree_when_a_loss_scale_skips_a_step_on_one_worker",
                "broadcast_callback_waits_for_a_subclassed_model_that_build_left_empty",
-               "pair_averaging_leaves_variables_without_gradients_alone"]
+               "pair_averaging_leaves_variables_without_gradients_alone",
+               "gradients_of_different_variables_fail_rather_than_mix",
+               "half_precision_weights_average_without_overflow"]
 DIGITS = ["sma_digits", "pair_averaging_digits"]
 
 

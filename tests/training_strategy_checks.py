@@ -3,7 +3,8 @@ retracing, IndexedSlices against densified gradients (and sparse_as_dense under 
 broadcast_variables (and its refusal of different layouts, with nothing assigned), pair averaging
 whatever the optimizers are named and only within its own model and phase, and over only the variables
 with gradients, fp16 compression, every
-state agreeing after a switch to S-SGD, the monitors (and a threshold switch) under SMA; and, in a launch
+state agreeing after a switch to S-SGD, the monitors (and a threshold switch) under SMA, gradients of
+different variables refused rather than averaged together, float16 weights averaged without overflow; and, in a launch
 of its own, workers left on different strategies failing rather than pairing up.
 Run by tests/training_worker.py with its own checks.
 """
@@ -227,6 +228,57 @@ def pair_averaging_leaves_variables_without_gradients_alone():
         model.fit(x[:4 * LOCAL_BATCH], y[:4 * LOCAL_BATCH], batch_size=LOCAL_BATCH, shuffle=False, verbose=0)
     if any(np.any(w != v) for w, v in zip(model.layers[0].get_weights(), before)):
         raise AssertionError("pair averaging changed a frozen layer")
+
+
+@check
+def gradients_of_different_variables_fail_rather_than_mix():
+    """Workers whose gradients are None for different variables of the same shape (a multi-task model whose
+    batch had labels for one task on some workers, another on others) fail with InvalidArgumentError on every
+    worker, under S-SGD, SMA and DistributedGradientTape, in a tf.function and eagerly: the exchange
+    averaged a's gradient on one worker with b's on another, silently, and the workers' models parted."""
+    rank = kungfu.rank()
+    a, b = tf.Variable(tf.fill([4], 1.0)), tf.Variable(tf.fill([4], 1.0))
+    mine = a if rank % 2 == 0 else b
+
+    def with_optimizer(strategy):
+        opt = kungfu.optimizers.DistributedOptimizer(keras.optimizers.SGD(0.1), strategy=strategy)
+        return lambda: opt.apply_gradients([(tf.fill([4], float(rank + 1)) if v is mine else None, v)
+                                            for v in (a, b)])
+
+    def with_tape():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(mine * float(rank + 1))
+        return kungfu.DistributedGradientTape(tape).gradient(loss, [a, b])
+
+    cases = [("ssgd", with_optimizer("ssgd")), ("sma", with_optimizer("sma")), ("tape", with_tape)]
+    for name, fn in cases:
+        for how, step in (("function", tf.function(fn)), ("eager", fn)):
+            try:
+                step()
+            except tf.errors.InvalidArgumentError as e:
+                if "None for different variables" not in e.message:
+                    raise AssertionError(f"{name} ({how}): unexpected message: {e.message}") from e
+            else:
+                raise AssertionError(f"{name} ({how}): gradients of different variables were averaged together: "
+                                     f"a = {a.numpy()}, b = {b.numpy()}")
+    kungfu.barrier(name="mixed-nones/after")  # the workers still meet after the failures
+
+
+@check
+def half_precision_weights_average_without_overflow():
+    """float16 weights near 33000 (float16's largest is 65504) stay finite and close under SMA, pair averaging
+    and the switch to S-SGD: the averages summed in float16 first, giving inf (then NaN)."""
+    rank = kungfu.rank()
+    v = tf.Variable(tf.fill([4], tf.constant(33000.0 + 16.0 * rank, tf.float16)))
+    opt = kungfu.optimizers.DistributedOptimizer(keras.optimizers.SGD(0.0), strategy="sma")
+    step = tf.function(lambda: opt.apply_gradients([(tf.zeros([4], tf.float16), v)]))
+    for i, strategy in enumerate(("sma", "pair_averaging", "pair_averaging", "ssgd")):
+        opt.strategy = strategy
+        step()
+        kungfu.barrier(name=f"half-average/{i}")  # every copy published before the next request
+        got = v.numpy().astype(np.float64)
+        if not np.all(np.isfinite(got)) or np.any(np.abs(got - 33000.0) > 16.0 * kungfu.size()):
+            raise AssertionError(f"after {strategy}: float16 weights near 33000 became {got}")
 
 
 def _bytes_sent(fn):

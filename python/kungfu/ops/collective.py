@@ -69,12 +69,14 @@ def all_reduce(x, op="sum", name=None):
 
 
 @_no_autograph
-def group_all_reduce(xs, op="sum", name=None, fusion_bytes=None):
+def group_all_reduce(xs, op="sum", name=None, fusion_bytes=None, _layout=0):
     """all_reduce of every tensor in the list xs, as one op; returns a list in the same order.
 
     Tensors smaller than fusion_bytes (default 4 MiB) are packed per dtype into buckets of at most
     that size, one network collective per bucket; larger tensors are reduced alone, in place. The
     buckets and the large tensors are all in flight together. Dtypes may differ within the list.
+
+    _layout (internal): an int every worker passes alike, checked with the shapes (see _layout_extra).
     """
     op = _reduce_op(op, "group_all_reduce")
     _lib.require_init("kungfu.group_all_reduce")
@@ -84,7 +86,7 @@ def group_all_reduce(xs, op="sum", name=None, fusion_bytes=None):
         raise ValueError(f"group_all_reduce: fusion_bytes must be an int >= 0, got {fusion_bytes!r}")
     xs = [_tensor(x, REDUCE_DTYPES, "group_all_reduce") for x in xs]
     key, token, eager = _naming.call_inputs("group_all_reduce", name)
-    extra = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}
+    extra = _layout_extra(fusion_bytes, _layout)
     # An empty list still meets the other workers (as one empty tensor), so that a worker whose list is
     # empty while another's is not fails with the others instead of returning at once, which would pair
     # its next group with their current one.
@@ -93,11 +95,21 @@ def group_all_reduce(xs, op="sum", name=None, fusion_bytes=None):
     return list(outs) if xs else []
 
 
+def _layout_extra(fusion_bytes, layout):
+    """The group ops' optional attrs. layout: an int (any size; folded to 63 bits) that every worker must pass
+    alike; the op checks it with the shapes and dtypes and fails with InvalidArgument on every worker when it
+    differs. The optimizers pass which of their variables have gradients (_reduce.present_layout)."""
+    extra = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}
+    if layout:
+        extra["layout"] = int(layout) & ((1 << 63) - 1)
+    return extra
+
+
 NORM_DTYPES = _DTypes((tf.float16, tf.bfloat16, tf.float32, tf.float64))  # group_all_reduce_with_norms's
 
 
 @_no_autograph
-def group_all_reduce_with_norms(xs, norms=True, op="sum", name=None, fusion_bytes=None):
+def group_all_reduce_with_norms(xs, norms=True, op="sum", name=None, fusion_bytes=None, _layout=0):
     """group_all_reduce of float tensors, plus the two squared norms a gradient monitor needs:
     (outputs, local_sq, reduced_sq).
 
@@ -107,6 +119,7 @@ def group_all_reduce_with_norms(xs, norms=True, op="sum", name=None, fusion_byte
     are summed while the op packs and unpacks its buckets, which read the data anyway (tensors reduced
     alone are read once more). The workers' local sums travel as one more element of the last packed
     float32 or float64 bucket (with op sum or mean; otherwise as an all-reduce of one double of their own).
+    _layout (internal): as group_all_reduce's.
     """
     op = _reduce_op(op, "group_all_reduce_with_norms")
     _lib.require_init("kungfu.group_all_reduce_with_norms")
@@ -117,7 +130,7 @@ def group_all_reduce_with_norms(xs, norms=True, op="sum", name=None, fusion_byte
     xs = [_tensor(x, NORM_DTYPES, "group_all_reduce_with_norms") for x in xs]
     norms = tf.convert_to_tensor(norms, tf.bool)
     key, token, eager = _naming.call_inputs("group_all_reduce", name)
-    extra = {} if fusion_bytes is None else {"fusion_bytes": fusion_bytes}
+    extra = _layout_extra(fusion_bytes, _layout)
     outs, local_sq, reduced_sq = _lib.op_module().kf_group_all_reduce_norms(xs, norms, key, token,
                                                                             reduce_op=op, blocking=eager,
                                                                             **extra)

@@ -36,12 +36,20 @@ from .. import _variables
 from . import _reduce
 
 
-def sma_update(variables, alpha, fusion_bytes):
-    """v <- v + alpha * (mean over workers of v - v) for every variable, all at once."""
+def _wide(variables):
+    """The variables' values, float16 ones as float32: the all-reduce sums before it divides, and a sum of
+    float16 weights overflows where their mean would not (two workers' 33000 gave inf)."""
     values = [tf.convert_to_tensor(v) for v in variables]  # Keras and tf Variables alike
-    means = _reduce.mean_tensors(values, fusion_bytes)
+    return [tf.cast(x, tf.float32) if x.dtype == tf.float16 else x for x in values]
+
+
+def sma_update(variables, alpha, fusion_bytes, layout=0):
+    """v <- v + alpha * (mean over workers of v - v) for every variable, all at once. layout: the
+    variables' _reduce.present_layout() among the optimizer's (checked in the all-reduce)."""
+    values = _wide(variables)
+    means = _reduce.mean_tensors(values, fusion_bytes, layout)
     for v, x, m in zip(variables, values, means):
-        v.assign(x + tf.cast(alpha, x.dtype) * (m - x))
+        v.assign(tf.cast(x + tf.cast(alpha, x.dtype) * (m - x), v.dtype))
 
 
 def _by_dtype(variables):
@@ -119,7 +127,8 @@ def pair_average(variables, prefix, step, phase):
         # A peer that has left (it finished first and its finalize stopped waiting) answers none.
         theirs, _ = p2p.request_variable(target, mine, name=store_name(prefix, dtype), departed_ok=True)
         same_phase = tf.equal(theirs[-1], mine[-1])  # no copy at all: theirs is mine, and so is the tag
-        averaged = tf.where(same_phase, (mine[:-1] + theirs[:-1]) * tf.cast(0.5, mine.dtype), mine[:-1])
+        half = tf.cast(0.5, mine.dtype)  # halved before the sum, which in float16 overflows from 32768
+        averaged = tf.where(same_phase, mine[:-1] * half + theirs[:-1] * half, mine[:-1])
         sizes = [v.shape.num_elements() for v in group]
         for v, part in zip(group, tf.split(averaged, sizes)):
             v.assign(tf.reshape(part, v.shape))
@@ -135,6 +144,5 @@ def publish(variables, prefix, phase):
 
 def average_variables(variables, fusion_bytes):
     """v <- mean over workers of v, all at once: the same bits on every worker."""
-    values = [tf.convert_to_tensor(v) for v in variables]
-    for v, m in zip(variables, _reduce.mean_tensors(values, fusion_bytes)):
-        v.assign(m)
+    for v, m in zip(variables, _reduce.mean_tensors(_wide(variables), fusion_bytes)):
+        v.assign(tf.cast(m, v.dtype))

@@ -16,6 +16,7 @@ sparse_as_dense=True densifies instead, which is cheaper when most rows are touc
 
 import logging
 import threading
+import zlib
 
 import tensorflow as tf
 
@@ -77,6 +78,18 @@ def buckets(tensors, fusion_bytes):
     return groups
 
 
+def present_layout(present, count):
+    """Which of count gradients are present (not None; present: their indices) as the group ops' layout
+    check (kungfu.ops.collective._layout_extra): 0 when all are. Workers whose gradients are None for
+    different variables of the same shapes (a multi-task model whose batch on each worker had labels for
+    another task) would otherwise average one variable's gradient with another's, silently; with it they
+    fail with InvalidArgument, as when a gradient is None on some workers only."""
+    present = list(present)
+    if len(present) == count:
+        return 0
+    return zlib.crc32(f"{count}:{','.join(map(str, present))}".encode()) | 1
+
+
 def mean_indexed_slices(g):
     """The mean over workers of an IndexedSlices, as an IndexedSlices of every worker's rows."""
     values = collective.all_gather(g.values)
@@ -92,10 +105,13 @@ def _reducible(g):
     return g
 
 
-def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=False, extra=(), compression="none"):
+def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=False, extra=(), compression="none",
+                   layout=None):
     """The mean of each gradient over all workers; None stays None. variables (optional, same length)
     only name the gradients in the one-time log line of how each is reduced. compression: "fp16" sends
-    the dense float gradients as float16 (kungfu/ops/_compression.py).
+    the dense float gradients as float16 (kungfu/ops/_compression.py). layout: present_layout() of the
+    caller's whole list, when grads holds only the present ones; by default that of grads' Nones. It is
+    checked in the dense gradients' collectives (sparse ones alone, all-gathered, are not checked).
 
     extra: more dense tensors (e.g. a monitor's scalar) averaged in the same collectives as the dense
     gradients, so they cost no collective of their own; their means follow the gradients in the
@@ -103,6 +119,8 @@ def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=Fal
     backprop anyway, so a value computed from every gradient delays no bucket."""
     fusion_bytes = check_fusion_bytes(fusion_bytes)
     variables = variables if variables is not None else [None] * len(grads)
+    if layout is None:
+        layout = present_layout((i for i, g in enumerate(grads) if g is not None), len(grads))
     out = list(grads)
     dense = []  # indices into grads
     choices = []  # (variable name, how its gradient travels)
@@ -125,7 +143,7 @@ def mean_gradients(grads, variables=None, fusion_bytes=None, sparse_as_dense=Fal
     _log_choices(choices)
     extra = [tf.convert_to_tensor(t) for t in extra]
     originals = [out[i] for i in dense]
-    reduced = mean_tensors(extra + _compression.compress(originals, compression), fusion_bytes)
+    reduced = mean_tensors(extra + _compression.compress(originals, compression), fusion_bytes, layout)
     for i, r in zip(dense, _compression.decompress(reduced[len(extra):], originals)):
         out[i] = r
     return out + reduced[:len(extra)]
@@ -144,14 +162,16 @@ def norms_fusable(grads, sparse_as_dense):
     return True
 
 
-def mean_gradients_with_norms(grads, variables, fusion_bytes, sparse_as_dense, norms, compression="none"):
+def mean_gradients_with_norms(grads, variables, fusion_bytes, sparse_as_dense, norms, compression="none", layout=None):
     """(mean_gradients(grads), mean over the workers of their local squared norm, squared norm of the
     mean), for gradients norms_fusable() accepts. The norms come out of the all-reduce itself
     (KfGroupAllReduceNorms sums the squares as it packs and unpacks its buckets), with no pass over the
     gradients of their own; norms (a bool scalar tensor, equal on every worker) false gives 0s. With
-    compression="fp16" the norms are those of the float16 gradients sent."""
+    compression="fp16" the norms are those of the float16 gradients sent. layout: as mean_gradients'."""
     fusion_bytes = check_fusion_bytes(fusion_bytes)
     variables = variables if variables is not None else [None] * len(grads)
+    if layout is None:
+        layout = present_layout((i for i, g in enumerate(grads) if g is not None), len(grads))
     out, dense, choices = list(grads), [], []
     for i, (g, v) in enumerate(zip(grads, variables)):
         if g is None:
@@ -166,7 +186,7 @@ def mean_gradients_with_norms(grads, variables, fusion_bytes, sparse_as_dense, n
     local, reduced = [], []
     for bucket in buckets(tensors, fusion_bytes):
         means, local_sq, reduced_sq = collective.group_all_reduce_with_norms(
-            [tensors[j] for j in bucket], norms=norms, op="mean", fusion_bytes=fusion_bytes)
+            [tensors[j] for j in bucket], norms=norms, op="mean", fusion_bytes=fusion_bytes, _layout=layout)
         for j, r in zip(bucket, _compression.decompress(means, [originals[j] for j in bucket])):
             out[dense[j]] = r
         local.append(local_sq)
@@ -175,12 +195,14 @@ def mean_gradients_with_norms(grads, variables, fusion_bytes, sparse_as_dense, n
     return out, tf.add_n(local) if local else zero, tf.add_n(reduced) if reduced else zero
 
 
-def mean_tensors(tensors, fusion_bytes=None):
-    """The mean of each dense tensor over all workers, in buckets of about fusion_bytes (see above)."""
+def mean_tensors(tensors, fusion_bytes=None, layout=0):
+    """The mean of each dense tensor over all workers, in buckets of about fusion_bytes (see above);
+    layout: present_layout() of the variables they stand for (0: all)."""
     fusion_bytes = check_fusion_bytes(fusion_bytes)
     out = list(tensors)
     for bucket in buckets(tensors, fusion_bytes):
-        reduced = collective.group_all_reduce([tensors[j] for j in bucket], op="mean", fusion_bytes=fusion_bytes)
+        reduced = collective.group_all_reduce([tensors[j] for j in bucket], op="mean", fusion_bytes=fusion_bytes,
+                                              _layout=layout)
         for j, r in zip(bucket, reduced):
             out[j] = r
     return out

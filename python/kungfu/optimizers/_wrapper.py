@@ -220,6 +220,7 @@ class DistributedMixin:
         kf = self._kungfu
         live = [i for i, g in enumerate(grads) if g is not None]
         g_live, v_live = [grads[i] for i in live], [variables[i] for i in live]
+        layout = _reduce.present_layout(live, len(grads))  # checked in the exchange: see present_layout
         if kf.sparse_as_dense:  # before the branches, which must all return the same structure
             g_live = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in g_live]
 
@@ -261,8 +262,8 @@ class DistributedMixin:
             m = kf.monitors
             if m is None or not m.reduces:
                 return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
-                                              compression=kf.compression)
-            reduced, updated = self._kungfu_mean_with_monitors(g_live, v_live, m.due(self.iterations))
+                                              compression=kf.compression, layout=layout)
+            reduced, updated = self._kungfu_mean_with_monitors(g_live, v_live, m.due(self.iterations), layout=layout)
             # The estimates run before the update, not beside it: with workers sharing cores, running
             # them beside the update cost 4 to 5 points more CPU per step (benchmarks/monitoring.py).
             with tf.control_dependencies([updated]):
@@ -277,8 +278,8 @@ class DistributedMixin:
                 # by the steps since SMA began, which every worker counts alike.
                 steps = kf.sma_steps.assign(tf.where(tf.equal(last, sma_index), kf.sma_steps + 1, 0))
                 _monitor.when(m.due(steps), lambda: self._kungfu_mean_with_monitors(
-                    g_live, v_live, True, unscale=m.loss_scale is not None)[1])
-            _averaging.sma_update(v_live, kf.alpha, kf.fusion_bytes)
+                    g_live, v_live, True, unscale=m.loss_scale is not None, layout=layout)[1])
+            _averaging.sma_update(v_live, kf.alpha, kf.fusion_bytes, layout)
             return g_live
 
         def pair():
@@ -301,12 +302,13 @@ class DistributedMixin:
             out[i] = g
         return out
 
-    def _kungfu_mean_with_monitors(self, grads, variables, due, unscale=False):
+    def _kungfu_mean_with_monitors(self, grads, variables, due, unscale=False, layout=None):
         """(the gradients' mean over the workers, the monitors' update op): both squared norms the
         monitors need come out of the gradients' own all-reduce (fused into KfGroupAllReduceNorms, or this
         worker's norm riding in the all-reduce beside them), so the monitors cost no collective of their
         own. unscale: divide each worker's gradients by its own loss scale first (SMA, where the workers'
-        scales may differ: a LossScaleOptimizer skips overflowing steps on each worker alone)."""
+        scales may differ: a LossScaleOptimizer skips overflowing steps on each worker alone). layout: as
+        _reduce.mean_gradients'."""
         kf, m = self._kungfu, self._kungfu.monitors
         if unscale:
             scale = tf.cast(m.loss_scale(), tf.float32)
@@ -314,10 +316,10 @@ class DistributedMixin:
         if _reduce.norms_fusable(grads, kf.sparse_as_dense):
             reduced, local_sq, reduced_sq = _reduce.mean_gradients_with_norms(
                 grads, variables, kf.fusion_bytes, kf.sparse_as_dense, tf.convert_to_tensor(due, tf.bool),
-                kf.compression)
+                kf.compression, layout)
             return reduced, m.update(due, local_sq, reduced_sq=reduced_sq, scaled=not unscale)
         out = _reduce.mean_gradients(grads, variables, kf.fusion_bytes, kf.sparse_as_dense,
-                                     extra=[m.local_sq_norm(grads, due)], compression=kf.compression)
+                                     extra=[m.local_sq_norm(grads, due)], compression=kf.compression, layout=layout)
         reduced = out[:len(grads)]
         return reduced, m.update(due, out[-1], reduced, scaled=not unscale)
 
