@@ -1,8 +1,9 @@
 """Gradient compression on the wire, for the S-SGD paths (optimizer wrappers, DistributedGradientTape,
 kungfu.rewrite): compression="fp16" all-reduces float32 and float64 gradients as float16, half or a
 quarter of the bytes, and casts the means back. The engine adds float16 in float32 and rounds each
-partial sum (docs/api.md), so the mean loses only float16's precision (about 3 decimal digits), but the
-sum over the workers must fit float16's range (|sum| <= 65504: the division comes last). Sparse (IndexedSlices) gradients, monitor values and model
+partial sum (docs/api.md), so the mean loses only float16's precision (about 3 decimal digits) within
+its range: the sum over the workers must fit it (|sum| <= 65504: the division comes last), and values
+below float16's smallest normal (6.1e-5) keep fewer digits, those below about 3e-8 none (docs/training.md). Sparse (IndexedSlices) gradients, monitor values and model
 averaging are not compressed. "none" (the default) sends gradients as they are.
 """
 
