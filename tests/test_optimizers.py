@@ -76,6 +76,26 @@ def test_a_used_optimizer_hands_its_state_to_the_wrapper():
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
+def test_a_checkpoint_restored_into_an_unbuilt_optimizer_reaches_the_wrapper(tmp_path):
+    # Horovod's order: tf.train.Checkpoint(model=, optimizer=opt).restore(...) with opt not built yet (the
+    # restore waits for opt's variables), then opt wrapped. The wrapper used to start from step 0 and zero
+    # moments, silently.
+    model, x, y = model_and_data()
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(str(tmp_path / "ckpt"))
+    model.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)  # the run to match
+
+    again, _, _ = model_and_data()
+    opt = keras.optimizers.Adam(0.01)
+    tf.train.Checkpoint(model=again, optimizer=opt).restore(path)
+    again.compile(optimizer=optimizers.SynchronousSGDOptimizer(opt), loss="mse")
+    again.fit(x, y, epochs=1, batch_size=16, shuffle=False, verbose=0)
+    assert int(again.optimizer.iterations) == int(model.optimizer.iterations) == 8
+    for a, b in zip(again.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
 def test_a_used_optimizer_keeps_its_state_only_for_its_model():
     model, _, _ = model_and_data()
     opt = keras.optimizers.SGD(momentum=0.9)

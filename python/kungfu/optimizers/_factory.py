@@ -65,6 +65,11 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     if optimizer.built:  # a used optimizer (e.g. one keras.models.load_model restored): keep its state
         wrapped._kungfu.state_from = list(optimizer.variables)
         wrapped._kungfu.iterations_from = optimizer.iterations  # its step count until then (policies' start)
+    elif _restore_pending(optimizer):
+        # tf.train.Checkpoint(optimizer=opt).restore(...) into an unbuilt optimizer waits for opt's variables,
+        # which the wrapper (a new optimizer) would never make: the wrapper builds opt beside itself, so
+        # that the restore lands there, and takes its state (Horovod's order: restore, then wrap).
+        wrapped._kungfu.restore_into = optimizer
     if monitor is not None:
         wrapped._kungfu.monitors = _monitor.Monitors(names, monitor_interval, local_batch_size, wrapped.name,
                                                      monitor_alpha)
@@ -81,6 +86,12 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
     elif dataset is not None:
         raise ValueError("DistributedOptimizer: dataset= is for policies=[...]")
     return wrapped
+
+
+def _restore_pending(optimizer):
+    """Whether a checkpoint restore into optimizer waits for its variables (TensorFlow's Trackable keeps such
+    restores as deferred dependencies; without that attribute, none is assumed)."""
+    return bool(getattr(optimizer, "_deferred_dependencies", None))
 
 
 def _serialize_as(cls, base):

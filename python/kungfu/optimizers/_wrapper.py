@@ -79,6 +79,7 @@ class _Settings:
         self.compression = compression  # "none" or "fp16": how S-SGD sends dense gradients
         self.monitors = None  # kungfu.monitor.Monitors when monitors were requested
         self.state_from = None  # a used optimizer's variables, copied into the wrapper when it is built
+        self.restore_into = None  # an unbuilt optimizer a checkpoint restore waits on, built with the wrapper
         self.policies = None  # kungfu._policy.graph.CompiledPolicies when policies were given
 
 
@@ -148,6 +149,12 @@ class DistributedMixin:
 
     def build(self, variables):
         super().build(variables)
+        pending = self._kungfu.restore_into if self._kungfu is not None else None
+        if pending is not None:  # see DistributedOptimizer: the restore lands as pending builds
+            self._kungfu.restore_into = None
+            pending.build(variables)
+            self._kungfu.state_from = list(pending.variables)
+            self._kungfu.iterations_from = pending.iterations
         source = self._kungfu.state_from if self._kungfu is not None else None
         if source is not None:
             self._kungfu.state_from = None
