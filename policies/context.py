@@ -119,14 +119,14 @@ def _check_lr(lr):
     return float(lr)
 
 
-def strategy_name(strategy):
-    """A strategy's name, from its name or its index in STRATEGIES; ValueError otherwise."""
+def strategy_name(strategy, who="set_strategy"):
+    """A strategy's name, from its name or its index in STRATEGIES; ValueError, naming who, otherwise."""
     if isinstance(strategy, numbers.Real) and not isinstance(strategy, bool):
         if _math.isfinite(strategy) and float(strategy).is_integer() and 0 <= int(strategy) < len(STRATEGIES):
             return STRATEGIES[int(strategy)]
     elif isinstance(strategy, str) and strategy in STRATEGIES:
         return strategy
-    raise ValueError(f"set_strategy: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} "
+    raise ValueError(f"{who}: unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} "
                      f"(or its index, 0 to {len(STRATEGIES) - 1})")
 
 

@@ -43,7 +43,7 @@ def test_wrapper_is_the_base_optimizer_with_its_config():
     (lambda: optimizers.SynchronousSGDOptimizer(optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD())),
      ValueError, "already"),
     (lambda: optimizers.DistributedOptimizer(keras.optimizers.SGD(), strategy="allreduce"), ValueError,
-     "pair_averaging"),
+     r"^DistributedOptimizer\(strategy=...\): unknown strategy 'allreduce'; choose .*pair_averaging"),
     (lambda: optimizers.SynchronousAveragingOptimizer(keras.optimizers.SGD(), alpha=0), ValueError, "alpha"),
     (lambda: optimizers.SynchronousAveragingOptimizer(keras.optimizers.SGD(), alpha=1.5), ValueError, "alpha"),
     (lambda: optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(), fusion_bytes=-1), ValueError, "fusion_bytes"),
@@ -566,6 +566,10 @@ def test_loss_scale_optimizer_must_be_inside():
         model.compile(optimizer=optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
         assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)  # Keras put it outside
         with pytest.raises(ValueError, match=r"Wrap the other way round.*LossScaleOptimizer\(opt\)"):
+            model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        model, x, y = model_and_data()  # the fix offered keeps the strategy
+        model.compile(optimizer=optimizers.SynchronousAveragingOptimizer(keras.optimizers.SGD(0.01)), loss="mse")
+        with pytest.raises(ValueError, match=r"LossScaleOptimizer\(opt\), strategy='sma'\)"):
             model.fit(x, y, batch_size=16, epochs=1, verbose=0)
         model, x, y = model_and_data()
         opt = optimizers.SynchronousSGDOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01)))

@@ -46,7 +46,7 @@ def DistributedOptimizer(optimizer, strategy="ssgd", alpha=0.1, fusion_bytes=Non
         raise TypeError(f"expected a Keras optimizer (keras.optimizers.Optimizer), got {type(optimizer).__name__}")
     if isinstance(optimizer, DistributedMixin):
         raise ValueError(f"{optimizer.name} is already a kungfu distributed optimizer; wrap the plain optimizer once")
-    strategy_index(strategy)
+    strategy_index(strategy, "DistributedOptimizer(strategy=...)")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
         raise ValueError(f"alpha must be a number in (0, 1], got {alpha!r}")
     fusion_bytes = _reduce.check_fusion_bytes(fusion_bytes)

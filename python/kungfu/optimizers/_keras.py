@@ -21,13 +21,16 @@ def refuse_loss_scale_outside(optimizer):
             return
         owner = frame.f_locals.get("self")
         if isinstance(owner, keras.optimizers.LossScaleOptimizer) and owner.inner_optimizer is optimizer:
+            with tf.init_scope():  # the strategy variable, read eagerly: this runs as the step is traced
+                strategy = optimizer.strategy
             raise ValueError(
-                f"{optimizer.name} runs inside a keras LossScaleOptimizer (model.compile adds one under the "
-                "'mixed_float16' policy), whose overflow check would see each worker's own gradients: a step "
-                "that overflows on one worker only would be skipped there and wait for it on the others. Wrap "
-                "the other way round, so that the check sees the averaged gradients: "
-                "kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.LossScaleOptimizer(opt)) "
-                "(docs/training.md, \"Mixed precision\")")
+                f"the kungfu distributed optimizer (strategy {strategy!r}) over {type(optimizer).__name__} "
+                f"{optimizer.name!r} runs inside a keras LossScaleOptimizer (put around it by hand, or by "
+                "model.compile under the 'mixed_float16' policy), whose overflow check would see each worker's "
+                "own gradients: a step that overflows on one worker only would be skipped there and wait for it "
+                "on the others. Wrap the other way round, so that the check sees the averaged gradients: "
+                "kungfu.optimizers.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(opt), "
+                f"strategy={strategy!r}) (docs/training.md, \"Mixed precision\")")
         frame = frame.f_back
 
 

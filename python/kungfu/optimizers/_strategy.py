@@ -13,9 +13,9 @@ from ..policies.context import strategy_name
 CHOICES = f"one of {', '.join(STRATEGIES)} (or its index, 0 to {len(STRATEGIES) - 1})"
 
 
-def strategy_index(strategy):
-    """The index in STRATEGIES of a strategy given by name or index; ValueError otherwise."""
-    return STRATEGIES.index(strategy_name(strategy))
+def strategy_index(strategy, who="set_strategy"):
+    """The index in STRATEGIES of a strategy given by name or index; ValueError, naming who, otherwise."""
+    return STRATEGIES.index(strategy_name(strategy, who))
 
 
 def strategy_index_tensor(strategy):
