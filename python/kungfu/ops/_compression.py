@@ -3,8 +3,9 @@ kungfu.rewrite): compression="fp16" all-reduces float32 and float64 gradients as
 quarter of the bytes, and casts the means back. The engine adds float16 in float32 and rounds each
 partial sum (docs/api.md), so the mean loses only float16's precision (about 3 decimal digits) within
 its range: the sum over the workers must fit it (|sum| <= 65504: the division comes last), and values
-below float16's smallest normal (6.1e-5) keep fewer digits, those below about 3e-8 none (docs/training.md). Sparse (IndexedSlices) gradients, monitor values and model
-averaging are not compressed. "none" (the default) sends gradients as they are.
+below float16's smallest normal (6.1e-5) keep fewer digits, those below about 3e-8 none (docs/training.md).
+Sparse (IndexedSlices) gradients, monitor values and model averaging are not compressed. "none" (the
+default) sends gradients as they are.
 """
 
 import tensorflow as tf
