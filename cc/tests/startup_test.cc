@@ -1,6 +1,7 @@
 // What fails Engine::Start, promptly and saying why: a peer without the job token, another worker of
-// the job (or this one) answering at a peer's address, a peer of another build, a port someone else
-// holds. N ranks as threads in one process over loopback.
+// the job (or this one) answering at a peer's address (a name that resolves to loopback among the
+// causes), a peer of another build, a port someone else holds. N ranks as threads in one process over
+// loopback.
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -62,7 +63,9 @@ TEST(Handshake, AnotherWorkerAnsweringAtAPeersAddressFailsStartAtOnce) {
     if (e.ok()) engines[r] = std::move(e.value());
   });
   EXPECT_EQ(CodeName(results[0].code()), CodeName(Code::kAlreadyExists));
-  EXPECT_TRUE(results[0].message().find("the address of rank 2 reached rank 1") != std::string::npos);
+  EXPECT_TRUE(results[0].message().find("the address of rank 2, 127.0.0.2:" + std::to_string(ports.at(1).port) +
+                                        ", reached rank 1: two workers listen") != std::string::npos);
+  EXPECT_TRUE(results[0].message().find("loopback") == std::string::npos);  // an address, not a name
   EXPECT_TRUE(secs[0] < 3);  // at once: not rank 0's 20 s, nor after rank 1 gave up
   EXPECT_EQ(CodeName(results[1].code()), CodeName(Code::kDeadlineExceeded));
 
@@ -75,8 +78,27 @@ TEST(Handshake, AnotherWorkerAnsweringAtAPeersAddressFailsStartAtOnce) {
   const auto t0 = std::chrono::steady_clock::now();
   auto self = Engine::Start(c);
   EXPECT_EQ(CodeName(self.status().code()), CodeName(Code::kAlreadyExists));
-  EXPECT_TRUE(self.status().message().find("the address of rank 1 reached this worker itself") != std::string::npos);
+  EXPECT_TRUE(self.status().message().find("the address of rank 1, 127.0.0.2:" + std::to_string(ports2.at(0).port) +
+                                          ", reached this worker itself") != std::string::npos);
   EXPECT_TRUE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 3);
+}
+
+// A name that resolves to a loopback address on this host (Debian's /etc/hosts maps a host's own name to
+// 127.0.1.1; here "localhost" stands for it) leads to this host's engine, not to the peer's: the error
+// names the address the name resolved to, and says so.
+TEST(Handshake, ANameThatResolvesToLoopbackIsNamedWithItsAddress) {
+  const PeerList ports = testing::LoopbackPeers(1);
+  EngineConfig c;
+  c.peers = PeerList({ports.at(0), PeerID{"localhost", ports.at(0).port}}, 0);
+  c.token = "t";
+  c.timeout_seconds = 20;
+  auto self = Engine::Start(c);
+  const std::string& m = self.status().message();
+  EXPECT_EQ(CodeName(self.status().code()), CodeName(Code::kAlreadyExists));
+  EXPECT_TRUE(m.find("the address of rank 1, localhost:" + std::to_string(ports.at(0).port) +
+                     " (127.0.0.1), reached this worker itself") != std::string::npos);
+  EXPECT_TRUE(m.find("a name that resolves to a loopback address on some host: here localhost is 127.0.0.1") !=
+              std::string::npos);
 }
 
 // A server of handshake version 1 signs no rank: the client says it is another build, at once.
@@ -128,8 +150,10 @@ TEST(Errors, PortInUseFailsStartPromptly) {
   const auto t0 = std::chrono::steady_clock::now();
   auto second = Engine::Start(c);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  EXPECT_EQ(CodeName(second.status().code()), CodeName(Code::kUnavailable));
+  // A local start-up failure, not a lost peer (Unavailable: kungfu.errors.PeerError, "recoverable").
+  EXPECT_EQ(CodeName(second.status().code()), CodeName(Code::kAlreadyExists));
   EXPECT_TRUE(second.status().message().find("bind port") != std::string::npos);
+  EXPECT_TRUE(second.status().message().find("Address already in use") != std::string::npos);
   EXPECT_TRUE(secs < 2);
 }
 

@@ -95,6 +95,26 @@ Status ReadHello(int fd, Hello* h, std::vector<uint8_t>* raw, Deadline deadline)
   return Status::OK();
 }
 
+// Why the address of rank `dialed` led to rank `reached` (maybe this worker itself), naming the address
+// the name resolved to here: a name that resolves to a loopback address (a host's own name, which
+// Debian's /etc/hosts maps to 127.0.1.1) leads every worker that resolves it so to its own host.
+std::string ReachedAnother(int fd, const PeerList& peers, int dialed, int reached, int self_rank) {
+  const PeerID& peer = peers.at(dialed);
+  std::string ip = RemoteAddress(fd);
+  ip = ip.substr(0, ip.rfind(':'));
+  const bool named = ip != peer.host;
+  const std::string who = reached == self_rank ? "this worker itself" : "rank " + std::to_string(reached);
+  std::string text = "the address of rank " + std::to_string(dialed) + ", " + peer.ToString() +
+                     (named ? " (" + ip + ")" : "") + ", reached " + who +
+                     ": two workers listen where one address leads (two names of one host, each given the same port?";
+  if (named && ip.rfind("127.", 0) == 0) {
+    text += " or a name that resolves to a loopback address on some host: here " + peer.host + " is " + ip +
+            ", as /etc/hosts often makes a host's own name, which leads to this host, not to rank " +
+            std::to_string(dialed) + "'s";
+  }
+  return text + "); name each host once, in one way, by a name or address that leads to it from every host";
+}
+
 }  // namespace
 
 Status ClientHandshake(int fd, const HandshakeParams& params, int self_rank, const PeerID& self_id,
@@ -122,10 +142,7 @@ Status ClientHandshake(int fd, const HandshakeParams& params, int self_rank, con
     // send no proof, so that it does not take the connection in. Not retried.
     for (int r = 0; r < params.peers->size(); ++r) {
       if (r == expect_rank || !signed_by(static_cast<uint32_t>(r))) continue;
-      const std::string who = r == self_rank ? "this worker itself" : "rank " + std::to_string(r);
-      return AlreadyExists("the address of rank " + std::to_string(expect_rank) + " reached " + who +
-                           ": two workers listen where one address leads (two names of one host, each given "
-                           "the same port?); name each host once, in one way");
+      return AlreadyExists(ReachedAnother(fd, *params.peers, expect_rank, r, self_rank));
     }
   }
   // Send our proof before judging the server's, so a server with another token learns (and logs)
