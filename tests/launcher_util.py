@@ -194,11 +194,13 @@ def records(out):
     return recs
 
 
-def fake_ssh_path(tmp_path):
-    """A PATH whose `ssh` runs the remote command here, as sshd would."""
+def fake_ssh_path(tmp_path, before=""):
+    """A PATH whose `ssh` runs the remote command here, as sshd would (sh text `before` first). `ssh -G HOST`,
+    which kfrun runs to read the user's configuration for HOST, prints none."""
     fake = tmp_path / "bin" / "ssh"
     fake.parent.mkdir()
-    fake.write_text('#!/bin/sh\nwhile [ $# -gt 0 ]; do case "$1" in -o) shift 2;; -*) shift;; *) break;; esac; done\n'
+    fake.write_text('#!/bin/sh\n[ "$1" = -G ] && exit 0\n' + before +
+                    'while [ $# -gt 0 ]; do case "$1" in -o) shift 2;; -*) shift;; *) break;; esac; done\n'
                     'shift\nexec sh -c "$*"\n')
     fake.chmod(0o755)
     return f"{fake.parent}:{os.environ['PATH']}"

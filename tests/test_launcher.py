@@ -215,13 +215,10 @@ def test_a_pipe_that_a_process_left_running_holds_open_is_given_up(writes, tmp_p
     """ssh's ControlPersist master, which kfrun leaves running, here keeps the worker's stdout open: kfrun
     writes all the worker wrote, gives the pipe 2 s, then exits; if that process still writes, it says so."""
     pid_dir, _ = reaper
-    path = fake_ssh_path(tmp_path)
-    ssh_script = tmp_path / "bin" / "ssh"
-    lines = ssh_script.read_text().split("\n", 1)
     body = "while :; do echo tick; sleep 0.05; done" if writes else "exec sleep 60"
     master = (f'( exec setsid sh -c \'echo $$ > "$PID_DIR/t$$"; mv "$PID_DIR/t$$" "$PID_DIR/s$$"; {body}\' ) '
               '</dev/null &\n')  # its stdout: ssh's, the worker's pipe to kfrun
-    ssh_script.write_text(lines[0] + "\n" + master + lines[1])
+    path = fake_ssh_path(tmp_path, before=master)
     start = time.monotonic()
     rc, out, err = run_kfrun(["-np", "1", "-H", "nohost-a.invalid:1", "-x", "PYTHONPATH", "-x", f"PID_DIR={pid_dir}",
                               "--", sys.executable, "-c", "print('last words')"], reaper, {"PATH": path})
@@ -689,9 +686,10 @@ def test_resolve_cluster_defaults():
 
 def test_ssh_command_construction():
     argv = ssh.ssh_command("10.1.0.2", "/data/my job", {"KUNGFU_RANK": "1"}, ["python", "t.py", "--x=a b"], 30)
-    assert argv[:7] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", "--", "10.1.0.2"]  # -- : not an option
-    assert argv[7].startswith("sh -c ") and len(argv) == 8
-    assert "KUNGFU_TOKEN=" not in argv[7]  # the token travels on stdin
+    assert argv[:11] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", "-o", "ServerAliveInterval=7", "-o",
+                         "ServerAliveCountMax=3", "--", "10.1.0.2"]  # -- : not an option
+    assert argv[11].startswith("sh -c ") and len(argv) == 12
+    assert "KUNGFU_TOKEN=" not in argv[11]  # the token travels on stdin
     with pytest.raises(ValueError):
         ssh.ssh_command("h", "/", {"KUNGFU_TOKEN": "t"}, ["x"])
     with pytest.raises(ValueError):
@@ -760,12 +758,9 @@ def test_what_ssh_itself_leaves_running_is_left_alone(tmp_path, reaper):
     """ssh's ControlPersist master outlives the client on purpose, and may serve the user's other sessions:
     kfrun does not take it for a stray of the job, although it is re-parented to kfrun."""
     pid_dir, _ = reaper
-    path = fake_ssh_path(tmp_path)
-    ssh_script = tmp_path / "bin" / "ssh"
-    lines = ssh_script.read_text().split("\n", 1)
     master = ('( exec setsid sh -c \'echo $$ > "$PID_DIR/t$$"; mv "$PID_DIR/t$$" "$PID_DIR/s$$"; exec sleep 60\' ) '
               '</dev/null >/dev/null 2>&1 &\n')
-    ssh_script.write_text(lines[0] + "\n" + master + lines[1])
+    path = fake_ssh_path(tmp_path, before=master)
     rc, out, err = run_kfrun(["-np", "1", "-H", "nohost-a.invalid:1", "-x", "PYTHONPATH", "-x", f"PID_DIR={pid_dir}",
                               "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER, "0=exit0"], reaper,
                              {"PATH": path})

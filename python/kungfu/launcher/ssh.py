@@ -1,6 +1,14 @@
 """The ssh command that starts one remote worker.
 
-    ssh -o BatchMode=yes -o ConnectTimeout=T -- HOST 'sh -c '\''<script>'\'''
+    ssh -o BatchMode=yes -o ConnectTimeout=T -o ServerAliveInterval=I -o ServerAliveCountMax=3 -- HOST
+        'sh -c '\''<script>'\'''
+
+The keepalive options make ssh notice a link that died silently (a cable, a switch, a host that lost
+power: no FIN, no RST): without them the client waits forever, and kfrun cannot tell a lost host from a
+hung worker. ssh then gives up after about 4 intervals with no answer and exits 255, and kfrun says the
+connection was lost. The interval follows --timeout (keepalive_interval): a link the engine would wait
+for is waited for here too. Where the user's ssh configuration sets ServerAliveInterval for the host
+(`ssh -G` tells), kfrun leaves both options to it.
 
 The script (POSIX sh, whatever the remote login shell) does what `cd CWD && env K=V... cmd` would, plus
 two things that plain form cannot:
@@ -18,10 +26,14 @@ reach here: sh cannot adopt orphans as kfrun does for local workers (orphans.py)
 so. The worker's exit status becomes ssh's (ssh itself fails with 255).
 """
 
+import functools
 import re
 import shlex
+import subprocess
+import tempfile
 
 _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+KEEPALIVE_COUNT = 3  # ServerAliveCountMax: unanswered keepalives before ssh gives up (and exits 255)
 
 _SCRIPT = """\
 cd {cwd} || exit 1
@@ -69,13 +81,47 @@ def remote_script(cwd, env, command, kill_after=5):
     )
 
 
-def ssh_command(host, cwd, env, command, connect_timeout=60, kill_after=5):
-    """argv for subprocess; write the token and a newline to its stdin, and keep stdin open while it runs."""
+def keepalive_interval(timeout):
+    """ServerAliveInterval, in whole seconds, for a job whose KUNGFU_TIMEOUT is timeout: a quarter of it,
+    from 1 to 15 s. ssh gives up on a silent link about KEEPALIVE_COUNT + 1 intervals after its last
+    answer: within the timeout (for a timeout of 4 s or more), so before kfrun would take a finished
+    job's remaining workers for stalled (--timeout + --grace), and at most about a minute."""
+    return max(1, min(15, int(timeout // 4)))
+
+
+@functools.lru_cache(maxsize=256)
+def user_sets_keepalive(host):
+    """Whether the user's ssh configuration (~/.ssh/config, /etc/ssh/ssh_config) sets ServerAliveInterval
+    for host. `ssh -G` prints the configuration that applies, without connecting; an ssh without -G, or
+    one that fails, counts as no."""
+    # Its output goes to a file, not a pipe, so that nothing it leaves running can hold the answer up.
+    with tempfile.TemporaryFile() as f:
+        try:
+            subprocess.run(["ssh", "-G", "--", host], stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.DEVNULL,
+                           timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            return False
+        f.seek(0)
+        out = f.read().decode("utf-8", "replace")
+    for line in out.splitlines():
+        key, _, value = line.strip().partition(" ")
+        if key.lower() == "serveraliveinterval":
+            return value.strip() not in ("", "0")
+    return False
+
+
+def ssh_command(host, cwd, env, command, connect_timeout=60, kill_after=5, keepalive=True):
+    """argv for subprocess; write the token and a newline to its stdin, and keep stdin open while it runs.
+    keepalive: add kfrun's ServerAlive options, their interval from connect_timeout (kfrun passes
+    --timeout); False where the user's ssh configuration sets them (user_sets_keepalive)."""
     script = remote_script(cwd, env, command, kill_after)
+    alive = ["-o", f"ServerAliveInterval={keepalive_interval(connect_timeout)}",
+             "-o", f"ServerAliveCountMax={KEEPALIVE_COUNT}"] if keepalive else []
     return [
         "ssh",
         "-o", "BatchMode=yes",
         "-o", f"ConnectTimeout={max(1, int(connect_timeout))}",
+        *alive,
         "--",  # HOST is never an option, whatever its spelling (hosts.py refuses a leading '-' too)
         host,
         "sh -c " + shlex.quote(script),

@@ -54,6 +54,12 @@ def _signal_name(signum):
         return "an unknown signal"
 
 
+# After a remote worker's exit code 255: ssh's own failure (its message, on the worker's stderr, says which).
+_SSH_FAILED = (" (255 is ssh's own failure: ssh could not connect to {host}, or lost the connection to it (the host "
+               "or the network went down, or stopped answering); check that this machine can `ssh -o BatchMode=yes "
+               "{host}`)")
+
+
 def describe_exit(returncode, is_local=True):
     """'exit code 7', or for a worker killed by a signal, 'exit code 139: killed by signal 11 (SIGSEGV)'."""
     code = exit_code(returncode)
@@ -217,8 +223,7 @@ class Supervisor:
             return None
         self._stall_at = None  # a failure: --grace alone applies now
         code = exit_code(returncode)
-        hint = " (255 is ssh's own failure: can this machine `ssh -o BatchMode=yes` to it?)" if (
-            code == 255 and not w.spec.is_local) else ""
+        hint = _SSH_FAILED.format(host=w.spec.host) if code == 255 and not w.spec.is_local else ""
         if pending:
             self._term_at = time.monotonic() + self._opts.grace
             hint += f"; the others have {self._opts.grace:g}s (--grace) to finish before SIGTERM"

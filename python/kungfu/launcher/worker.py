@@ -124,7 +124,8 @@ def _start_local(spec, command, env, opts):
 
 def _start_remote(spec, command, env, opts):
     remote_env = {**opts.forward_env, **{k: v for k, v in env.items() if k != "KUNGFU_TOKEN"}}
-    argv = ssh.ssh_command(spec.host, os.getcwd(), remote_env, command, opts.timeout, opts.kill_after)
+    argv = ssh.ssh_command(spec.host, os.getcwd(), remote_env, command, opts.timeout, opts.kill_after,
+                           keepalive=not ssh.user_sets_keepalive(spec.host))
     proc = subprocess.Popen(
         argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
         env={**os.environ, orphans.SSH_MARK: str(os.getpid())},  # what ssh starts here is not a stray of the job
