@@ -102,3 +102,29 @@ def test_mpirun_runs_collectives(tmp_path):
         assert res["sum"] == [3.0 * i + 3.0 for i in range(5)]
         assert res["bcast"] == [2, 2, 2]
         assert res["gather"] == [0, 1, 1, 2, 2, 2]
+
+
+TAKEN_PORT_WORKER = """
+import kungfu, kungfu.errors
+try:
+    kungfu.init()
+except kungfu.errors.KungFuError as e:
+    print(type(e).__name__, e.recoverable, e)
+"""
+
+
+def test_a_taken_port_is_an_engine_error_not_a_peers():
+    """A port this host cannot give the engine is a local start-up failure (EngineError, fatal), not a
+    peer that failed (PeerError, 'recoverable': the cluster would not be what it was)."""
+    ports = _free_ports(2)
+    with socket.create_server(("0.0.0.0", ports[0])):  # someone else holds rank 0's port
+        env = _clean_env(KUNGFU_PEERS=",".join(f"127.0.0.1:{p}" for p in ports), KUNGFU_RANK="0", KUNGFU_SIZE="2",
+                         KUNGFU_TOKEN="a" * 64, KUNGFU_TIMEOUT="30")
+        proc = subprocess.Popen([sys.executable, "-c", TAKEN_PORT_WORKER], env=env, text=True, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            out = proc.communicate(timeout=90)[0]
+        finally:
+            _kill_group(proc)
+    assert f"EngineError False kungfu.init (rank 0 of 2): listening as 127.0.0.1:{ports[0]} (rank 0): bind port " \
+           f"{ports[0]}: Address already in use; another job" in out, out

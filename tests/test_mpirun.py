@@ -219,7 +219,25 @@ def test_every_rank_raises_collective_timeout_when_one_never_comes(tmp_path):
     for rank, result in results.items():
         assert result.startswith("kungfu.errors.CollectiveTimeout: kungfu.init: rendezvous timed out: "), result
         assert result.count("timed out") == 1, result  # said once, not "timed out: rendezvous timed out"
-    assert "rank(s) [1] of 3 never registered within 2s (KUNGFU_TIMEOUT)" in results[0]
+    assert "rank(s) [1] of 3 never registered within 2s (KUNGFU_TIMEOUT, set by `mpirun -x KUNGFU_TIMEOUT=S`)" in \
+        results[0], results[0]
+    for result in results.values():
+        assert result.count("(KUNGFU_TIMEOUT") == 1, result  # named once, not again at the end
+
+
+def test_a_rendezvous_timeout_names_its_deadline_once(monkeypatch):
+    """Rank 0's timeout (which the others get too), and a rank that cannot reach rank 0: the deadline's
+    variable and what sets it are named once, where the message names the deadline."""
+    monkeypatch.delenv("KUNGFU_PEERS", raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")  # what mpirun sets
+    port = _free_port()
+    knob = "(KUNGFU_TIMEOUT, set by `mpirun -x KUNGFU_TIMEOUT=S`)"
+    for fake, said in [(lambda: _serve(port, 2, timeout=0.3), f"never registered within 0.3s {knob}; check"),
+                       (lambda: _register(port, 1, 2, timeout=0.3), "before the deadline (KUNGFU_TIMEOUT, set by")]:
+        monkeypatch.setattr(env_mod, "resolve_cluster", fake)
+        with pytest.raises(kungfu.errors.CollectiveTimeout) as e:
+            _lib._resolve_cluster()
+        assert said in str(e.value) and str(e.value).count("(KUNGFU_TIMEOUT") == 1, str(e.value)
 
 
 @pytest.mark.parametrize("value", ["inf", "1e12", "1e8", "10000000.5", "0.0001", "0", "-1", "nan", " 5", "soon", ""])

@@ -13,7 +13,8 @@ at most MAX_MESSAGE bytes):
     TimeoutError, as rank 0 does, so that every rank fails with the same error class.
 Rank 0 keeps its listening socket open until every worker has been answered, then closes it.
 Every socket operation has a deadline; workers retry connecting while rank 0 is not up yet.
-This module imports only the standard library (no TensorFlow), so launchers and tests can use it.
+This module imports only the standard library (no TensorFlow), so launchers and tests can use it; its
+timeout errors name what sets the deadline (kungfu._env, also standard library only), once.
 """
 
 import hashlib
@@ -28,6 +29,14 @@ PROTOCOL = "kungfu-rendezvous/1"
 MAX_MESSAGE = 1 << 20
 PER_CONNECTION_SECONDS = 10.0  # bound on how long one worker may take to send its registration
 _HEADER = struct.Struct("!I")
+
+
+def _deadline_knob():
+    """'KUNGFU_TIMEOUT, set by `mpirun -x KUNGFU_TIMEOUT=S`': the deadline's variable and what sets it under
+    this worker's launcher. Said here, where the deadline is named, so that kungfu.init adds it nowhere else."""
+    from ._env import timeout_knob  # not at the top: _env imports this module
+
+    return f"KUNGFU_TIMEOUT, set by {timeout_knob()}"
 
 
 def _timed_out(what):
@@ -177,7 +186,7 @@ def serve(listener, size, self_peer, job="", token="", timeout=60.0):
             except TimeoutError:
                 why = f" (refused: {'; '.join(server.rejected)})" if server.rejected else ""
                 error = (f"rank(s) {server.missing()} of {size} never registered within {timeout:g}s "
-                         f"(KUNGFU_TIMEOUT){why}; check they were started and can reach rank 0")
+                         f"({_deadline_knob()}){why}; check they were started and can reach rank 0")
                 server.answer_all({"error": error, "timed_out": True})
                 raise TimeoutError(error) from None
         peers = [server.peers[r] for r in range(size)]
@@ -203,7 +212,7 @@ def _connect(address, deadline, rank):
         time.sleep(delay)
         delay = min(delay * 2, 0.5)
     raise TimeoutError(f"rank {rank} could not reach rank 0's rendezvous at {address[0]}:{address[1]} before the "
-                       f"deadline (KUNGFU_TIMEOUT; last error: {last}); is rank 0 running, and is that address "
+                       f"deadline ({_deadline_knob()}; last error: {last}); is rank 0 running, and is that address "
                        "reachable from here (KUNGFU_RENDEZVOUS)?")
 
 
