@@ -3,6 +3,7 @@
 #include "cc/engine.h"
 
 #include <poll.h>
+#include <pthread.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 
@@ -120,6 +121,7 @@ Status Engine::Impl::ConnectToPeers() {
 }
 
 void Engine::Impl::AcceptLoop() {
+  pthread_setname_np(pthread_self(), "kf_accept");
   while (!stopping_) {
     pollfd pfd{listener_.get(), POLLIN, 0};
     if (::poll(&pfd, 1, 100) <= 0) continue;

@@ -5,9 +5,13 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <limits>
 #include <random>
+#include <set>
+#include <string>
 
 #include "cc/engine.h"
 #include "cc/tests/cluster.h"
@@ -383,6 +387,20 @@ TEST(DType, HalfConversionsRoundTrip) {
   EXPECT_EQ(HalfToFloat(FloatToHalf(3.f)), 3.f);
   EXPECT_EQ(BFloat16ToFloat(FloatToBFloat16(3.f)), 3.f);
   EXPECT_EQ(HalfToFloat(FloatToHalf(1e6f)), HalfToFloat(0x7c00));  // overflow to inf
+}
+
+// The engine's threads carry names (top -H, per-thread profiles), not the process's.
+TEST(Threads, TheEnginesThreadsAreNamed) {
+  auto engines = StartCluster(2);
+  std::set<std::string> names;
+  for (const auto& task : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(task.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    names.insert(name);
+  }
+  EXPECT_TRUE(names.count("kf_loop") == 1);
+  EXPECT_TRUE(names.count("kf_accept") == 1);
 }
 
 }  // namespace
