@@ -31,6 +31,7 @@ from . import _readings as rd
 from .base import BasePolicy
 from .context import state_values
 from .lr_scaling import base_values
+from .lr_scaling import catch_up_rate
 from .lr_scaling import check_rule
 from .lr_scaling import scaled_learning_rate
 
@@ -103,8 +104,8 @@ class GNSBatchSizePolicy(BasePolicy):
                              f"max_batch={self.max_batch}]; widen the bounds or change multiple_of")
 
     def due(self, hook, step):
-        if hook == "before_train":  # the bounds against the cluster size, when that is the multiple
-            return self.multiple_of is None
+        if hook == "before_train":  # the bounds against the cluster size; a resumed run's rate (past step 0)
+            return self.multiple_of is None or (self.lr_rule is not None and step > 0)
         return super().due(hook, step)
 
     def before_train(self, ctx):
@@ -113,6 +114,7 @@ class GNSBatchSizePolicy(BasePolicy):
             raise ValueError(f"gns_batch_size: no multiple of the cluster size {m} lies in [min_batch="
                              f"{self.min_batch}, max_batch={self.max_batch}], so the batch could never move; "
                              "widen the bounds or pass multiple_of")
+        catch_up_rate(self, ctx, self.lr_rule, self.base_lr, self.base_batch)  # adascale: gain 1 until gns comes
 
     def after_step(self, ctx):
         m = ctx.math

@@ -79,6 +79,14 @@ class LRScalingPolicy(BasePolicy):
         self.base_batch = rd.check_number("lr_scaling", "base_batch", base_batch, low=1, integer=True,
                                           allow_none=True)
 
+    def due(self, hook, step):
+        if hook == "before_train":  # a resumed run's catching up (past step 0)
+            return self.rule is not None and step > 0
+        return super().due(hook, step)
+
+    def before_train(self, ctx):
+        catch_up_rate(self, ctx, self.rule, self.base_lr, self.base_batch)
+
     def after_step(self, ctx):
         if self.rule is None:
             return
@@ -90,6 +98,21 @@ class LRScalingPolicy(BasePolicy):
 
     def __repr__(self):
         return f"lr_scaling(rule={self.rule!r}, base_lr={self.base_lr!r}, base_batch={self.base_batch!r})"
+
+
+def catch_up_rate(policy, ctx, rule, base_lr, base_batch):
+    """In a resumed run's before_train (ctx.resumed), sets the rule's rate for the batch size the run starts
+    at. The checkpoint holds the learning rate reached, but not the batch size it went with (the dataset
+    starts at its own, or a schedule's catching up sets one): without this the run trained on at the grown
+    rate with the starting batch (gns_batch_size at 8 with the rate for 118: the loss blew up) until the
+    next change. Needs base_lr and base_batch (the runner warns when they are missing, as the first values
+    seen after a resume are not the original run's) and a known batch size."""
+    if rule is None or not getattr(ctx, "resumed", False) or base_lr is None or base_batch is None:
+        return
+    if ctx.batch_size is None:
+        return
+    batch = rd.reading(ctx, "batch_size", policy)
+    ctx.set_learning_rate(scaled_learning_rate(rule, base_lr, base_batch, batch, 0.0, ctx.math))
 
 
 def base_values(policy, ctx, base_lr, base_batch):

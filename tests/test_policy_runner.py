@@ -466,3 +466,30 @@ def test_a_resumed_runner_warns_of_a_rate_rule_without_base_values(caplog):
                              kp.gns_batch_size(32, 64, lr_rule=None)], optimizer=opt, batch_size=32).before_train()
     said = [r.getMessage() for r in caplog.records if "pass base_lr= and base_batch=" in r.getMessage()]
     assert len(said) == 1 and "resumed at step 5: LRScalingPolicy" in said[0], said
+
+
+@pytest.mark.parametrize("make, compiled", [("gns_batch_size", False), ("lr_scaling", False), ("lr_scaling", True)])
+def test_a_resumed_rate_rule_sets_the_rate_of_the_batch_it_starts_at(make, compiled):
+    """The checkpoint holds the rate reached (0.4, for a batch grown to 128), not the batch size: the run
+    starts again at 32, and the rule sets 0.1 for it at once. gns_batch_size trained on at 0.4 with batch
+    32 until its next change, and the loss blew up. (Compiled, gns_batch_size needs the gns monitor, which
+    one worker cannot run; its before_train is the same Python either way.)"""
+    import kungfu.policies as kp
+
+    def policy():
+        if make == "gns_batch_size":
+            return kp.gns_batch_size(32, 256, lr_rule="linear", base_lr=0.1, base_batch=32)
+        return kp.lr_scaling("linear", base_lr=0.1, base_batch=32)
+
+    model, x, y = model_and_data()
+    ds = kungfu.data.AdaptiveDataset((x, y), global_batch_size=32)
+    base = keras.optimizers.SGD(0.4)
+    base.build(model.trainable_variables)
+    base.iterations.assign(50)  # as restored from a checkpoint
+    if compiled:
+        opt = optimizers.SynchronousSGDOptimizer(base, policies=[policy()], dataset=ds)
+        step_fn(model, opt)(x[:32], y[:32])  # before_train runs as the step is traced, before the update
+    else:
+        opt = optimizers.SynchronousSGDOptimizer(base)
+        kungfu.PolicyRunner([policy()], optimizer=opt, dataset=ds).before_train()
+    assert float(opt.learning_rate.numpy()) == pytest.approx(0.1)
