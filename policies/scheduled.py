@@ -24,7 +24,9 @@ governs epoch e and on. Python-only: epoch hooks do not compile.
 Resuming (the runner reads ctx.resumed: the optimizer had taken steps before this run, e.g. restored
 from a checkpoint): in before_train (by="step") or the run's first before_epoch (by="epoch"), it applies
 what its entries up to that step or epoch set, merged in key order, so the run goes on with the settings
-it had (the batch size, say, which no checkpoint holds). Otherwise entries apply exactly at their key.
+it had (the batch size, say, which no checkpoint holds). By epoch, so does a run's first before_epoch past
+epoch 0 (fit(initial_epoch=e) after load_weights, with an optimizer that has taken no steps). Otherwise
+entries apply exactly at their key.
 """
 
 import math as _math
@@ -164,7 +166,12 @@ class ScheduledPolicy(BasePolicy):
     def before_epoch(self, ctx):
         if self.by != "epoch":
             return
-        if getattr(ctx, "resumed", False):
+        # A run that starts past epoch 0 without the epoch before it here (fit(initial_epoch=e) after
+        # load_weights, whose fresh optimizer has taken no steps, so ctx.resumed is False) catches up too,
+        # as Keras's LearningRateScheduler sets its rate from the epoch number.
+        previous, self._last_epoch = getattr(self, "_last_epoch", None), ctx.epoch
+        jumped = ctx.epoch > 0 and previous != ctx.epoch - 1
+        if getattr(ctx, "resumed", False) or jumped:
             _apply(ctx, self.settings_at(ctx.epoch), True)
         elif ctx.epoch in self.spec:
             _apply(ctx, self.spec[ctx.epoch], True)

@@ -115,9 +115,17 @@ def test_a_resumed_run_goes_on_with_the_settings_of_its_step_or_epoch():
     c = Context(epoch=4, step=40, batch_size=16, learning_rate=0.5, resumed=True)
     by_epoch.before_epoch(c)
     assert c.changes == {"learning_rate": 0.1, "batch_size": 128}
-    c = Context(epoch=4, step=40, batch_size=16, learning_rate=0.5)
-    by_epoch.before_epoch(c)
-    assert c.changes == {}
+    # A run's first epoch past 0 without ctx.resumed (fit(initial_epoch=4) after load_weights: a fresh
+    # optimizer, no steps) catches up too, as Keras's LearningRateScheduler would; going on from the epoch
+    # before, it does not.
+    fresh = scheduled({0: {"learning_rate": 0.1}, 3: {"batch_size": 128}, 5: {"learning_rate": 0.01}}, by="epoch")
+    c = Context(epoch=4, step=0, batch_size=16, learning_rate=0.5)
+    fresh.before_epoch(c)
+    assert c.changes == {"learning_rate": 0.1, "batch_size": 128}
+    for epoch, want in [(5, {"learning_rate": 0.01}), (6, {})]:
+        c = Context(epoch=epoch, step=10 * epoch, batch_size=128, learning_rate=0.1)
+        fresh.before_epoch(c)
+        assert c.changes == want, (epoch, c.changes)
 
 
 def test_keys_may_be_any_whole_number_and_the_string_strategy_an_index():
