@@ -46,16 +46,18 @@ void Engine::Impl::StartOp(std::unique_ptr<Op> op) {
   }
   if (size() > 1 && !first_dead_.ok()) return Fail(id, first_dead_, false);
   if (Status never = NeverJoined(*raw); !never.ok()) return Fail(id, never, false);
+  // A frame dropped for want of buffer space fails the op before it sends anything: a peer that needed
+  // only this worker's data (recursive doubling, an all-gather's block) would otherwise finish it while
+  // this worker fails it. The abort reaches the peers first.
+  for (auto& f : frames) {
+    if (f.src == kPoisonSource) return Fail(id, ResourceExhausted(std::string(f.data.get())), true);
+  }
   Status s = raw->Start(this);
   if (!s.ok()) return Fail(id, s, s.code() == Code::kInvalidArgument);
   // Deliver them in arrival order.
   for (auto& f : frames) {
     auto it = ops_.find(key);
     if (it == ops_.end()) break;  // failed by an earlier frame: drop the rest
-    if (f.src == kPoisonSource) {
-      Fail(id, ResourceExhausted(std::string(f.data.get())), true);
-      break;
-    }
     Dispatch(it->second, f.src, f.h, f.data.get());
   }
   MaybeFinish(id);
@@ -226,12 +228,16 @@ char* Engine::Impl::PayloadTarget(int src, const FrameHeader& h, const std::stri
   }
   if (pending_bytes_ + static_cast<int64_t>(h.payload_bytes) > config_.max_pending_bytes) {
     *discard = true;
+    std::vector<PendingFrame>& held = pending_[key];
+    for (const PendingFrame& f : held) {
+      if (f.src == kPoisonSource) return nullptr;  // said once per collective (a big one comes in many pieces)
+    }
     const std::string why = "more than " + std::to_string(config_.max_pending_bytes) +
-                            " bytes arrived for collectives this worker had not started; raise "
-                            "KUNGFU_MAX_PENDING_BYTES or start collectives in a more similar order";
+                            " bytes arrived for collectives this worker had not started (the last for '" + name +
+                            "'); raise KUNGFU_MAX_PENDING_BYTES or start collectives in a more similar order";
     Buffer text = NewBuffer(why.size() + 1);
     std::copy(why.begin(), why.end() + 1, text.get());
-    pending_[key].push_back(PendingFrame{kPoisonSource, h, std::move(text)});
+    held.push_back(PendingFrame{kPoisonSource, h, std::move(text)});
     KF_LOG(Warning) << "rank " << rank() << ": " << why;
     return nullptr;
   }
@@ -273,8 +279,19 @@ void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char
   auto g = next_gen_.find(key.first);
   if (g != next_gen_.end() && h.generation < g->second) return;  // late frame of an ended op
   if (h.payload_bytes > 0 && !owned) return;  // discarded for lack of buffer space (poisoned above)
+  std::vector<PendingFrame>& held = pending_[key];
+  if (h.kind == FrameKind::kAbort) {
+    // The op will fail here on this abort when it starts, so the data held for it is of no use: let it go
+    // now, rather than for the life of the process if it never starts (a caught timeout whose late peer
+    // never calls it), where it would also count against the pending bound for good.
+    auto data = std::remove_if(held.begin(), held.end(), [](const PendingFrame& f) {
+      return f.src != kPoisonSource && f.h.kind == FrameKind::kData;
+    });
+    for (auto f = data; f != held.end(); ++f) pending_bytes_ -= static_cast<int64_t>(f->h.payload_bytes);
+    held.erase(data, held.end());
+  }
   pending_bytes_ += static_cast<int64_t>(h.payload_bytes);
-  pending_[key].push_back(PendingFrame{src, h, std::move(owned)});
+  held.push_back(PendingFrame{src, h, std::move(owned)});
 }
 
 // Deadlines. Every collective and peer-to-peer request gets KUNGFU_TIMEOUT on the monotonic clock when it

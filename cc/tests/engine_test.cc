@@ -340,6 +340,44 @@ TEST(Errors, DataHeldForACollectiveThatFailsAtStartIsFreed) {
   });
 }
 
+// Data past the pending bound fails the collective on every worker: rank 0, late, found rank 1's data
+// dropped, but it sent its own before failing, and rank 1, which needed only that (recursive doubling),
+// completed the allreduce that rank 0 failed.
+TEST(Errors, PendingBoundOverflowFailsTheCollectiveEverywhere) {
+  auto engines = StartCluster(2, [](EngineConfig& c) { c.max_pending_bytes = 1000; });
+  RunRanks(2, [&](int r) {
+    std::vector<float> in(1000, 1.f), out(1000, 0.f);  // 4,000 bytes: past the bound
+    if (r == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));  // rank 1's data comes first
+    Waiter w;
+    engines[r]->AllReduce(in.data(), out.data(), in.size(), DType::kFloat32, ReduceOp::kSum, "over", w.Callback());
+    Status s = w.Wait();
+    EXPECT_EQ(CodeName(s.code()), CodeName(Code::kResourceExhausted));
+  });
+}
+
+// Data held for a collective this worker never starts is let go when a peer's abort for it arrives (the
+// root timed out and went on): it stayed for good, and a later collective found the bound full.
+TEST(Errors, DataHeldForACollectiveAbortedElsewhereIsFreed) {
+  auto engines = StartCluster(2, [](EngineConfig& c) {
+    c.max_pending_bytes = 6000;
+    c.timeout_seconds = 1;
+  });
+  RunRanks(2, [&](int r) {
+    std::vector<float> buf(1000, 1.f);  // 4,000 bytes: more than half the bound
+    if (r == 0) {
+      Waiter w;
+      engines[r]->Broadcast(buf.data(), buf.size(), DType::kFloat32, 0, "orphan", w.Callback());
+      EXPECT_EQ(CodeName(w.Wait().code()), CodeName(Code::kDeadlineExceeded));
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the abort has come
+    }
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));  // rank 0's data comes first
+    Waiter w;
+    engines[r]->Broadcast(buf.data(), buf.size(), DType::kFloat32, 0, "later", w.Callback());
+    EXPECT_OK(w.Wait());
+  });
+}
+
 TEST(Errors, BroadcastCountMismatchIsInvalidArgumentEverywhere) {
   for (int64_t threshold : {int64_t{0}, int64_t{1} << 26}) {  // chain and star
     const int n = 4;
