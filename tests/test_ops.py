@@ -221,6 +221,8 @@ class SizeOneTest(tf.test.TestCase):
             kungfu.broadcast(tf.constant([1j], tf.complex64))
         with self.assertRaisesRegex(ValueError, r"root must be a rank in \[0, 1\), got 1"):
             kungfu.broadcast(x, root=1)
+        with self.assertRaisesRegex(ValueError, r"root must be a Python int, a rank in \[0, 1\), got a tensor"):
+            kungfu.broadcast(x, root=tf.constant(0))  # the message said "a rank in [0, 1)" of a 0
         with self.assertRaisesRegex(ValueError, "name must be a non-empty string"):
             kungfu.all_reduce(x, name="")
         with self.assertRaisesRegex(TypeError, "xs must be a list or tuple"):

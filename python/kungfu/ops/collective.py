@@ -137,14 +137,23 @@ def group_all_reduce_with_norms(xs, norms=True, op="sum", name=None, fusion_byte
     return list(outs), local_sq, reduced_sq
 
 
+def check_root(root, what):
+    """root as an int, a rank of this cluster; ValueError otherwise (a tensor too: the root is an attr of the
+    op, fixed when it is built, as Horovod's root_rank is a Python int)."""
+    size = _lib.size()
+    if isinstance(root, bool) or not isinstance(root, numbers.Integral):
+        kind = "a tensor" if tf.is_tensor(root) else type(root).__name__
+        raise ValueError(f"{what}: root must be a Python int, a rank in [0, {size}), got {kind}: {root!r}")
+    if not 0 <= root < size:
+        raise ValueError(f"{what}: root must be a rank in [0, {size}), got {root!r}")
+    return int(root)
+
+
 @_no_autograph
 def broadcast(x, root=0, name=None):
     """Every worker gets root's x. Every worker must pass the same dtype and number of elements."""
     _lib.require_init("kungfu.broadcast")
-    size = _lib.size()
-    if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= root < size:
-        raise ValueError(f"broadcast: root must be a rank in [0, {size}), got {root!r}")
-    root = int(root)
+    root = check_root(root, "broadcast")
     x = _tensor(x, COPY_DTYPES, "broadcast")
     key, token, eager = _naming.call_inputs("broadcast", name)
     return _lib.op_module().kf_broadcast(x, key, token, root=root, blocking=eager)

@@ -9,7 +9,6 @@ Unpickling runs code chosen by the sender. The senders are the job's own workers
 job token when they connected, so this trusts them no more than the job already does.
 """
 
-import numbers
 import pickle
 
 import numpy as np
@@ -23,6 +22,7 @@ from . import _naming
 from .collective import _no_autograph
 from .collective import all_gather
 from .collective import broadcast
+from .collective import check_root
 
 _FAILED = -1  # the length a worker sends when it could not pickle its object
 
@@ -52,9 +52,7 @@ def broadcast_object(obj, root=DEFAULT_ROOT, name=None, *, root_rank=None):
     """
     root = root_alias(root, root_rank, "kungfu.broadcast_object")
     _eager_only("kungfu.broadcast_object")
-    size = _lib.size()
-    if isinstance(root, bool) or not isinstance(root, numbers.Integral) or not 0 <= root < size:
-        raise ValueError(f"broadcast_object: root must be a rank in [0, {size}), got {root!r}")
+    root = check_root(root, "broadcast_object")
     key = _naming.collective_key("broadcast_object", name)
     is_root = _lib.rank() == root
     data, error = _pickle(obj) if is_root else (b"", None)
