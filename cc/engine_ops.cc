@@ -280,15 +280,19 @@ void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char
   if (g != next_gen_.end() && h.generation < g->second) return;  // late frame of an ended op
   if (h.payload_bytes > 0 && !owned) return;  // discarded for lack of buffer space (poisoned above)
   std::vector<PendingFrame>& held = pending_[key];
+  // Once an abort is held, the op will fail here on it when it starts, so data for it is of no use: it is
+  // let go (what was held) or not kept (what comes later), rather than held for the life of the process if
+  // the op never starts (a caught timeout whose late peer never calls it), counting against the bound.
+  const auto is_abort = [](const PendingFrame& f) { return f.src != kPoisonSource && f.h.kind == FrameKind::kAbort; };
+  if (h.kind == FrameKind::kData && std::any_of(held.begin(), held.end(), is_abort)) return;
   if (h.kind == FrameKind::kAbort) {
-    // The op will fail here on this abort when it starts, so the data held for it is of no use: let it go
-    // now, rather than for the life of the process if it never starts (a caught timeout whose late peer
-    // never calls it), where it would also count against the pending bound for good.
-    auto data = std::remove_if(held.begin(), held.end(), [](const PendingFrame& f) {
-      return f.src != kPoisonSource && f.h.kind == FrameKind::kData;
-    });
-    for (auto f = data; f != held.end(); ++f) pending_bytes_ -= static_cast<int64_t>(f->h.payload_bytes);
-    held.erase(data, held.end());
+    held.erase(std::remove_if(held.begin(), held.end(),
+                              [this](const PendingFrame& f) {
+                                const bool drop = f.src != kPoisonSource && f.h.kind == FrameKind::kData;
+                                if (drop) pending_bytes_ -= static_cast<int64_t>(f.h.payload_bytes);
+                                return drop;  // counted here, once per element: the tail is moved-from
+                              }),
+               held.end());
   }
   pending_bytes_ += static_cast<int64_t>(h.payload_bytes);
   held.push_back(PendingFrame{src, h, std::move(owned)});

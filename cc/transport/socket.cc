@@ -152,7 +152,7 @@ StatusOr<Fd> ConnectWithRetry(const PeerID& peer, Deadline deadline, const Resol
   // job whose peers are slow to start); sooner while it has not resolved yet.
   constexpr auto kLookupEvery = std::chrono::seconds(1);
   constexpr auto kLookupRetry = std::chrono::milliseconds(250);
-  // With several addresses, a silent one (a stale DNS record) must not take the whole deadline.
+  // A silent address (a stale DNS record) must not take the whole deadline.
   constexpr auto kPerAddress = std::chrono::seconds(2);
   std::vector<in_addr> addrs;  // the last answer
   std::vector<int> errs;       // why each of addrs failed last (0: not tried)
@@ -174,7 +174,9 @@ StatusOr<Fd> ConnectWithRetry(const PeerID& peer, Deadline deadline, const Resol
                                                   : std::chrono::duration_cast<Clock::duration>(kLookupEvery));
     }
     for (size_t i = 0; i < addrs.size() && Clock::now() < deadline; ++i) {
-      const Deadline until = addrs.size() > 1 ? std::min(deadline, Clock::now() + kPerAddress) : deadline;
+      // Bounded even for one address: one that drops SYNs (a stale record) would hold the attempt past the
+      // next lookup, which may give the right one.
+      const Deadline until = std::min(deadline, Clock::now() + kPerAddress);
       Fd fd;
       RETURN_IF_ERROR(ConnectOnce(addrs[i], peer.port, until, &fd, &errs[i]));
       if (errs[i] == 0) return fd;
