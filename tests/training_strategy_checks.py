@@ -234,23 +234,28 @@ def pair_averaging_leaves_variables_without_gradients_alone():
 def gradients_of_different_variables_fail_rather_than_mix():
     """Workers whose gradients are None for different variables of the same shape (a multi-task model whose
     batch had labels for one task on some workers, another on others) fail with InvalidArgumentError on every
-    worker, under S-SGD, SMA and DistributedGradientTape, in a tf.function and eagerly: the exchange
+    worker, under S-SGD (also accumulating), SMA and DistributedGradientTape, in a tf.function and eagerly: the exchange
     averaged a's gradient on one worker with b's on another, silently, and the workers' models parted."""
     rank = kungfu.rank()
     a, b = tf.Variable(tf.fill([4], 1.0)), tf.Variable(tf.fill([4], 1.0))
     mine = a if rank % 2 == 0 else b
 
-    def with_optimizer(strategy):
-        opt = kungfu.optimizers.DistributedOptimizer(keras.optimizers.SGD(0.1), strategy=strategy)
-        return lambda: opt.apply_gradients([(tf.fill([4], float(rank + 1)) if v is mine else None, v)
-                                            for v in (a, b)])
+    def with_optimizer(strategy, steps=1):
+        accumulating = {"gradient_accumulation_steps": steps} if steps > 1 else {}
+        opt = kungfu.optimizers.DistributedOptimizer(keras.optimizers.SGD(0.1, **accumulating), strategy=strategy)
+
+        def apply():
+            for _ in range(steps):  # with accumulation, the exchange comes at the last
+                opt.apply_gradients([(tf.fill([4], float(rank + 1)) if v is mine else None, v) for v in (a, b)])
+        return apply
 
     def with_tape():
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(mine * float(rank + 1))
         return kungfu.DistributedGradientTape(tape).gradient(loss, [a, b])
 
-    cases = [("ssgd", with_optimizer("ssgd")), ("sma", with_optimizer("sma")), ("tape", with_tape)]
+    cases = [("ssgd", with_optimizer("ssgd")), ("sma", with_optimizer("sma")), ("tape", with_tape),
+             ("accumulating", with_optimizer("ssgd", steps=2))]
     for name, fn in cases:
         for how, step in (("function", tf.function(fn)), ("eager", fn)):
             try:

@@ -5,6 +5,8 @@ _wrapper.DistributedMixin), called from its apply()."""
 
 import tensorflow as tf
 
+from . import _reduce
+
 
 def exchange_accumulated(opt, grads, variables, is_update):
     """Gradient accumulation (the base optimizer's gradient_accumulation_steps; Horovod's
@@ -20,7 +22,8 @@ def exchange_accumulated(opt, grads, variables, is_update):
     dense = [tf.convert_to_tensor(grads[i]) for i in live]  # the accumulators are dense anyway
 
     def exchange():
-        return exchange_totals(opt, dense, [variables[i] for i in live], opt)
+        return exchange_totals(opt, dense, [variables[i] for i in live], opt,
+                               layout=_reduce.present_layout(live, len(grads)))
 
     new = tf.cond(is_update, exchange, lambda: dense) if live else []
     out = list(grads)
@@ -29,16 +32,17 @@ def exchange_accumulated(opt, grads, variables, is_update):
     return out
 
 
-def exchange_totals(opt, grads, variables, accumulator, scale=None):
+def exchange_totals(opt, grads, variables, accumulator, scale=None, layout=None):
     """The update step's exchange: of this worker's gradient plus its accumulated ones (read from
     accumulator, the optimizer that holds them; times scale, the loss scale that grads carry and the
-    accumulators do not), each dense; the accumulators are emptied. Returns the exchanged gradients."""
+    accumulators do not), each dense; the accumulators are emptied. Returns the exchanged gradients.
+    layout: which of the optimizer's variables these are (_reduce.present_layout), checked in the exchange."""
     accs = [accumulator._accumulated_gradients[accumulator._get_variable_index(v)] for v in variables]
     totals = []
     for g, a in zip(grads, accs):
         a = tf.cast(a, g.dtype)
         totals.append(g + (a if scale is None else a * tf.cast(scale, g.dtype)))
-    new = opt._kungfu_exchange(totals, variables)
+    new = opt._kungfu_exchange(totals, variables, layout)
     for a in accs:  # after the reads above, before the base class reads them (program order)
         a.assign(tf.zeros(a.shape, a.dtype))
     return new
@@ -66,7 +70,8 @@ def apply_scaled_accumulated(opt, apply_checked, grads, variables, is_update, in
 
     def update():
         with tf.name_scope("kungfu"):
-            new = exchange_totals(opt, dense, [variables[i] for i in live], inner, opt.dynamic_scale)
+            new = exchange_totals(opt, dense, [variables[i] for i in live], inner, opt.dynamic_scale,
+                                  layout=_reduce.present_layout(live, len(grads)))
         out = list(grads)
         for i, g in zip(live, new):
             out[i] = g

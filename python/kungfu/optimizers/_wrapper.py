@@ -222,12 +222,15 @@ class DistributedMixin:
         super().apply(grads, variables)
         self._kungfu_publish(live, is_update)
 
-    def _kungfu_exchange(self, grads, variables):
-        """The strategy's work before the update; returns the gradients to apply."""
+    def _kungfu_exchange(self, grads, variables, layout=None):
+        """The strategy's work before the update; returns the gradients to apply. layout: which of the
+        optimizer's variables these are, when the caller left some out (_reduce.present_layout); by default
+        that of grads' Nones."""
         kf = self._kungfu
         live = [i for i, g in enumerate(grads) if g is not None]
         g_live, v_live = [grads[i] for i in live], [variables[i] for i in live]
-        layout = _reduce.present_layout(live, len(grads))  # checked in the exchange: see present_layout
+        if layout is None:  # checked in the exchange: see present_layout
+            layout = _reduce.present_layout(live, len(grads))
         if kf.sparse_as_dense:  # before the branches, which must all return the same structure
             g_live = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in g_live]
 
