@@ -101,18 +101,22 @@ class LRScalingPolicy(BasePolicy):
 
 
 def catch_up_rate(policy, ctx, rule, base_lr, base_batch):
-    """In a resumed run's before_train (ctx.resumed), sets the rule's rate for the batch size the run starts
-    at. The checkpoint holds the learning rate reached, but not the batch size it went with (the dataset
-    starts at its own, or a schedule's catching up sets one): without this the run trained on at the grown
-    rate with the starting batch (gns_batch_size at 8 with the rate for 118: the loss blew up) until the
-    next change. Needs base_lr and base_batch (the runner warns when they are missing, as the first values
-    seen after a resume are not the original run's) and a known batch size."""
+    """In a resumed run's before_train (ctx.resumed), caps the learning rate at the rule's rate for the batch
+    size the run starts at. The checkpoint holds the rate reached, but not the batch size it went with (the
+    dataset starts at its own, or a schedule's catching up sets one): without this the run trained on at
+    the grown rate with the starting batch (gns_batch_size at 8 with the rate for 118: the loss blew up)
+    until the next change. A lower restored rate stays: a schedule or ReduceLROnPlateau may have lowered it
+    since the last batch change, and the rule would not have raised it again before the next. Needs base_lr
+    and base_batch (the runner warns when they are missing, as the first values seen after a resume are not
+    the original run's) and a known batch size."""
     if rule is None or not getattr(ctx, "resumed", False) or base_lr is None or base_batch is None:
         return
     if ctx.batch_size is None:
         return
     batch = rd.reading(ctx, "batch_size", policy)
-    ctx.set_learning_rate(scaled_learning_rate(rule, base_lr, base_batch, batch, 0.0, ctx.math))
+    rate = scaled_learning_rate(rule, base_lr, base_batch, batch, 0.0, ctx.math)
+    restored = ctx.learning_rate
+    ctx.set_learning_rate(rate if restored is None else ctx.math.minimum(restored, rate))
 
 
 def base_values(policy, ctx, base_lr, base_batch):

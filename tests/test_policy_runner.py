@@ -493,3 +493,7 @@ def test_a_resumed_rate_rule_sets_the_rate_of_the_batch_it_starts_at(make, compi
         opt = optimizers.SynchronousSGDOptimizer(base)
         kungfu.PolicyRunner([policy()], optimizer=opt, dataset=ds).before_train()
     assert float(opt.learning_rate.numpy()) == pytest.approx(0.1)
+    if not compiled:  # a lower restored rate (a schedule's, ReduceLROnPlateau's) stays
+        opt.learning_rate.assign(0.01)
+        kungfu.PolicyRunner([policy()], optimizer=opt, dataset=ds).before_train()
+        assert float(opt.learning_rate.numpy()) == pytest.approx(0.01)
