@@ -50,7 +50,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         super().__init__()
         self.root = _variables.root_alias(root, root_rank, "BroadcastGlobalVariablesCallback")
         self._broadcast_for = None  # a weakref to the model last broadcast (a reused callback meets new ones)
-        self._check_epochs = False  # compare each epoch's batches (S-SGD or SMA, more than one worker)
+        self._check_epochs = False  # compare each epoch's batches (more than one worker, not pair averaging)
         self._steps = None  # fit's steps per epoch (None: unknown), for the epoch-end check's message
         self._batches = 0  # on_train_batch_begin calls in this epoch
         self._hooks = 0  # on_train_batch_begin calls in this fit (from the second on, a step has run)
@@ -64,11 +64,13 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         _lib.require_init("BroadcastGlobalVariablesCallback")
         model = self.model
-        self._check_epochs = False
         self._hooks = 0
+        self._steps = self.params.get("steps")
+        # Not for a fit that starts under pair averaging, which waits for no one's step: its epochs may
+        # differ (also the one a policy switches it to S-SGD at); nor at an epoch's end under it.
+        self._check_epochs = False
         if not _pair_averaging(model):
-            self._steps = self.params.get("steps")
-            _check_same_steps(self._steps)  # pair averaging waits for no one's step
+            _check_same_steps(self._steps)
             self._check_epochs = _lib.size() > 1
         self._broadcast_once()
 
@@ -166,7 +168,8 @@ def _check_same_epoch_end(batches, epoch, steps=None):
                          "and another worker's did not end with it (it still trained, waiting for this worker's "
                          f"gradients): {why}. Give each worker the same number of batches (e.g. "
                          "kungfu.data.AdaptiveDataset, take() the same count, or .repeat() the data with the same "
-                         "steps_per_epoch)") from e
+                         "steps_per_epoch). Or another worker stopped training on its own (a callback such as "
+                         "EarlyStopping listed before the MetricAverageCallback, judging its own shard)") from e
     if len(set(counts)) > 1:
         shown = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
         raise ValueError(f"model.fit: the workers' epoch {epoch} began different numbers of batches ({shown}); "
