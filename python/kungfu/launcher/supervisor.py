@@ -85,6 +85,7 @@ class Supervisor:
         self._stall_at = None  # monotonic time after which workers still running have stalled
         self._finished = None  # the rank that exited 0 first while others ran on (the stall clock's start)
         self._stalled = False  # whether the remaining workers were stopped for stalling
+        self._failed_codes = set()  # the exit codes of failures reported (one note per code)
         # Whether to be the workers' child subreaper and end what they detached (orphans.py): only as the
         # kfrun command. Inside a program (kungfu.launcher.run()), the program's own children, started by
         # other threads or by another job's run(), would be indistinguishable and killed or reaped too.
@@ -214,8 +215,17 @@ class Supervisor:
 
     def _on_exit(self, w, returncode, pending, first_failure):
         w.returncode = returncode
-        if first_failure is not None or self._signal is not None or self._stalled:
+        if self._signal is not None or self._stalled:
             return first_failure  # exits after a signal or a stall are kfrun's doing, not failures
+        if first_failure is not None:
+            # A later failure with a code of its own may be the cause the first one reported (a worker that
+            # called sys.exit(3) waits in finalize while the others fail for want of it, and exits last);
+            # the peers' own failures, mostly one code, are left out, as are exits after kfrun's SIGTERM.
+            code = exit_code(returncode)
+            if returncode != 0 and not w.signalled and code not in self._failed_codes:
+                self._failed_codes.add(code)
+                self._printer.message(f"{w.describe()} also failed, with {describe_exit(returncode, w.spec.is_local)}")
+            return first_failure
         if returncode == 0:
             if pending and self._stall_at is None:
                 self._stall_at = time.monotonic() + self._opts.timeout + self._opts.grace
@@ -223,6 +233,7 @@ class Supervisor:
             return None
         self._stall_at = None  # a failure: --grace alone applies now
         code = exit_code(returncode)
+        self._failed_codes.add(code)
         hint = _SSH_FAILED.format(host=w.spec.host) if code == 255 and not w.spec.is_local else ""
         if pending:
             self._term_at = time.monotonic() + self._opts.grace
