@@ -26,7 +26,8 @@ def _skip_collectives():
     from kungfu.optimizers import _reduce
 
     # mean_gradients' own signature: what it returns is the gradients, then the means of extra.
-    def identity(grads, variables=None, fusion_bytes=None, sparse_as_dense=False, extra=(), compression='none'):
+    def identity(grads, variables=None, fusion_bytes=None, sparse_as_dense=False, extra=(), compression='none',
+                 layout=None):
         return list(grads) + list(extra)
 
     _reduce.mean_gradients = identity
