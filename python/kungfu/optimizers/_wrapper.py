@@ -150,7 +150,7 @@ class DistributedMixin:
     def build(self, variables):
         super().build(variables)
         pending = self._kungfu.restore_into if self._kungfu is not None else None
-        if pending is not None:  # see DistributedOptimizer: the restore lands as pending builds
+        if pending is not None:  # see DistributedOptimizer: the waiting restore lands when pending is built
             self._kungfu.restore_into = None
             pending.build(variables)
             self._kungfu.state_from = list(pending.variables)
