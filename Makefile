@@ -4,6 +4,7 @@
 #                     first, once per top-level make
 #   make build        pip install --no-build-isolation .   (kungfu/_kungfu.so + the Python package)
 #   make cc-test      the engine tests, no TensorFlow: build/cc/kungfu_cc_tests
+#   make cc-test-sanitize   the same tests under ASan+UBSan and under TSan (build/cc-asan, build/cc-tsan)
 #   make build/cc/libkungfu_engine.so   the engine alone as a C API library, no TensorFlow
 #                     (benchmarks/_allreduce/build_engine.sh; allreduce.py --systems=engine builds its own)
 #   make bazel-build  bazel build //:kungfu_ops  -> build/bazel/_kungfu.so
@@ -38,7 +39,7 @@ export OMPI_MCA_rmaps_base_oversubscribe := 1
 DEPS := $(if $(KF_DEPS_DONE),,deps)
 SUBMAKE = $(MAKE) --no-print-directory KF_DEPS_DONE=1
 
-.PHONY: all deps deps-apt deps-pip build cc-test bazel-build bazel-test test demo bench clean FORCE
+.PHONY: all deps deps-apt deps-pip build cc-test cc-test-sanitize bazel-build bazel-test test demo bench clean FORCE
 all: build
 
 # ---- dependencies ----------------------------------------------------------------------------
@@ -88,6 +89,35 @@ build/cc/obj/%.o: %.cc
 	$(CXX) $(CC_TEST_FLAGS) -MMD -MP -c $< -o $@
 
 -include $(CC_TEST_OBJS:.o=.d)
+
+# The same tests under sanitizers, each build in its own directory (not part of `make test`):
+# build/cc-asan (AddressSanitizer, LeakSanitizer and UndefinedBehaviorSanitizer) and build/cc-tsan
+# (ThreadSanitizer). Any report fails the run.
+SAN_KINDS := asan tsan
+SAN_FLAGS_asan := -fsanitize=address,undefined -fno-omit-frame-pointer -O1 -g
+SAN_FLAGS_tsan := -fsanitize=thread -O1 -g
+SAN_ENV_asan := ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+SAN_ENV_tsan := TSAN_OPTIONS=second_deadlock_stack=1
+
+cc-test-sanitize: $(DEPS)
+	@$(SUBMAKE) -j$(NPROC) $(foreach k,$(SAN_KINDS),build/cc-$(k)/kungfu_cc_tests)
+	$(foreach k,$(SAN_KINDS),$(SAN_ENV_$(k)) ./build/cc-$(k)/kungfu_cc_tests &&) true
+
+define SAN_RULES
+build/cc-$(1)/objects.txt: FORCE
+	@mkdir -p $$(@D)
+	@echo '$$(CC_TEST_SRCS)' | cmp -s - $$@ || echo '$$(CC_TEST_SRCS)' > $$@
+
+build/cc-$(1)/kungfu_cc_tests: $$(patsubst %.cc,build/cc-$(1)/obj/%.o,$$(CC_TEST_SRCS)) build/cc-$(1)/objects.txt
+	$$(CXX) $$(CC_TEST_FLAGS) $$(SAN_FLAGS_$(1)) -o $$@ $$(filter %.o,$$^)
+
+build/cc-$(1)/obj/%.o: %.cc
+	@mkdir -p $$(@D)
+	$$(CXX) $$(CC_TEST_FLAGS) $$(SAN_FLAGS_$(1)) -MMD -MP -c $$< -o $$@
+
+-include $$(patsubst %.cc,build/cc-$(1)/obj/%.d,$$(CC_TEST_SRCS))
+endef
+$(foreach k,$(SAN_KINDS),$(eval $(call SAN_RULES,$(k))))
 
 # The engine alone (cc/ less cc/tests, no kf_ops/, no TensorFlow) as a shared library with the C API of
 # cc/c_api.h, for ctypes: benchmarks/_allreduce/worker_engine.py. The one g++ command lives in the script so

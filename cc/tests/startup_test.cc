@@ -93,7 +93,7 @@ TEST(Handshake, ANameThatResolvesToLoopbackIsNamedWithItsAddress) {
   c.token = "t";
   c.timeout_seconds = 20;
   auto self = Engine::Start(c);
-  const std::string& m = self.status().message();
+  const std::string m = self.status().message();  // a copy: status() returns a temporary
   EXPECT_EQ(CodeName(self.status().code()), CodeName(Code::kAlreadyExists));
   EXPECT_TRUE(m.find("the address of rank 1, localhost:" + std::to_string(ports.at(0).port) +
                      " (127.0.0.1), reached this worker itself") != std::string::npos);

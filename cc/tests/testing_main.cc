@@ -1,3 +1,4 @@
+#include <atomic>
 #include <chrono>
 #include <cstring>
 
@@ -11,7 +12,7 @@ std::vector<TestCase>& Registry() {
 }
 
 namespace {
-int g_failures_in_test = 0;
+std::atomic<int> g_failures_in_test{0};  // rank threads (RunRanks) fail checks at once
 }
 
 void Fail(const char* file, int line, const std::string& what) {
