@@ -10,7 +10,7 @@
 namespace kungfu {
 
 namespace {
-constexpr size_t kMaxAbortText = 4096;
+constexpr size_t kMaxAbortText = kMaxAbortBytes;
 constexpr int kPoisonSource = -1;  // a pending entry the engine made itself (buffer overflow)
 }  // namespace
 
@@ -222,12 +222,15 @@ char* Engine::Impl::PayloadTarget(int src, const FrameHeader& h, const std::stri
     return target;
   }
   auto g = next_gen_.find(name);
+  // A dropped payload is still read from the socket: it counts in bytes_received (OnFrame counts the rest).
   if (g != next_gen_.end() && h.generation < g->second) {  // the op already ended here
     *discard = true;
+    stats_.bytes_received += static_cast<int64_t>(h.payload_bytes);
     return nullptr;
   }
   if (pending_bytes_ + static_cast<int64_t>(h.payload_bytes) > config_.max_pending_bytes) {
     *discard = true;
+    stats_.bytes_received += static_cast<int64_t>(h.payload_bytes);
     std::vector<PendingFrame>& held = pending_[key];
     for (const PendingFrame& f : held) {
       if (f.src == kPoisonSource) return nullptr;  // said once per collective (a big one comes in many pieces)

@@ -352,6 +352,8 @@ TEST(Errors, PendingBoundOverflowFailsTheCollectiveEverywhere) {
       while (engines[0]->stats().bytes_received < 4000 && std::chrono::steady_clock::now() < give_up) {
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
+      // Not the give-up: that is the peer's timeout too, and its deadline would race rank 0's abort.
+      EXPECT_TRUE(engines[0]->stats().bytes_received >= 4000);
     }
     Waiter w;
     engines[r]->AllReduce(in.data(), out.data(), in.size(), DType::kFloat32, ReduceOp::kSum, "over", w.Callback());
