@@ -13,6 +13,7 @@
 
 #include "cc/engine.h"
 #include "cc/tests/cluster.h"
+#include "cc/tests/fake_rank.h"
 #include "cc/tests/testing.h"
 #include "cc/transport/handshake.h"
 #include "cc/transport/socket.h"
@@ -21,56 +22,11 @@
 namespace kungfu {
 namespace {
 
+using testing::ConnectFakeRank;
+using testing::EncodeFrame;
+using testing::FakeRank;
+using testing::StartBesideFakeRank1;
 using testing::Waiter;
-
-// A fake rank made of the engine's own handshake, for frames no real engine would send when a test
-// needs them: it accepts rank 0's connection on its port and connects to rank 0, which then reads from
-// `rank0_reads` and writes to `rank0_writes`. Both are invalid if anything failed.
-struct FakeRank {
-  Fd rank0_writes, rank0_reads;  // the fake's ends of rank 0's two connections
-};
-
-FakeRank ConnectFakeRank(const PeerList& peers, const HandshakeParams& hs, int self) {
-  FakeRank f;
-  auto listener = Listen(peers.at(self).port);
-  if (!listener.ok()) return f;
-  pollfd pfd{listener.value().get(), POLLIN, 0};
-  if (::poll(&pfd, 1, 10000) != 1) return f;
-  Fd accepted(::accept4(listener.value().get(), nullptr, nullptr, SOCK_CLOEXEC));
-  HandshakeParams as_self = hs;
-  as_self.self_rank = self;  // the rank rank 0 dialed
-  if (!ServerHandshake(accepted.get(), as_self, DeadlineAfter(10)).ok()) return f;
-  auto out = ConnectWithRetry(peers.at(0), DeadlineAfter(10));
-  if (!out.ok() || !ClientHandshake(out.value().get(), hs, self, peers.at(self), 0, DeadlineAfter(10)).ok()) return f;
-  f.rank0_writes = std::move(accepted);
-  f.rank0_reads = std::move(out.value());
-  return f;
-}
-
-// Rank 0 of `peers` (2), a real engine with a 20 s timeout, and a fake rank 1 connected to it (*fake1).
-StatusOr<std::unique_ptr<Engine>> StartBesideFakeRank1(const PeerList& peers, FakeRank* fake1) {
-  HandshakeParams hs;
-  hs.token = "test-token";
-  hs.peers = &peers;
-  std::thread fake([&] { *fake1 = ConnectFakeRank(peers, hs, 1); });
-  EngineConfig c;
-  c.peers = peers;
-  c.token = "test-token";
-  c.timeout_seconds = 20;
-  auto engine = Engine::Start(c);
-  fake.join();
-  return engine;
-}
-
-// The bytes of one frame: header, name, no pad, then h.payload_bytes of payload filled with 1.0f.
-std::vector<uint8_t> EncodeFrame(const FrameHeader& h, const std::string& name) {
-  std::vector<uint8_t> frame(kFrameHeaderSize + name.size() + h.payload_bytes);
-  EncodeFrameHeader(h, static_cast<uint32_t>(name.size()), frame.data());
-  std::copy(name.begin(), name.end(), frame.begin() + kFrameHeaderSize);
-  float* payload = reinterpret_cast<float*>(frame.data() + kFrameHeaderSize + name.size());
-  std::fill(payload, payload + h.payload_bytes / sizeof(float), 1.f);
-  return frame;
-}
 
 // A peer that leaves cleanly closes both its connections, and across two TCP streams the close of the
 // one this worker writes to can arrive before the goodbye on the other (on a real network). A fake rank 1

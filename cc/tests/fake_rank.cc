@@ -1,0 +1,57 @@
+#include "cc/tests/fake_rank.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+namespace kungfu::testing {
+
+FakeRank ConnectFakeRank(const PeerList& peers, const HandshakeParams& hs, int self) {
+  FakeRank f;
+  auto listener = Listen(peers.at(self).port);
+  if (!listener.ok()) return f;
+  pollfd pfd{listener.value().get(), POLLIN, 0};
+  if (::poll(&pfd, 1, 10000) != 1) return f;
+  Fd accepted(::accept4(listener.value().get(), nullptr, nullptr, SOCK_CLOEXEC));
+  HandshakeParams as_self = hs;
+  as_self.self_rank = self;  // the rank rank 0 dialed
+  if (!ServerHandshake(accepted.get(), as_self, DeadlineAfter(10)).ok()) return f;
+  auto out = ConnectWithRetry(peers.at(0), DeadlineAfter(10));
+  if (!out.ok() || !ClientHandshake(out.value().get(), hs, self, peers.at(self), 0, DeadlineAfter(10)).ok()) return f;
+  f.rank0_writes = std::move(accepted);
+  f.rank0_reads = std::move(out.value());
+  return f;
+}
+
+StatusOr<std::unique_ptr<Engine>> StartBesideFakeRank1(const PeerList& peers, FakeRank* fake1,
+                                                       const std::function<void(EngineConfig&)>& tweak) {
+  HandshakeParams hs;
+  hs.token = "test-token";
+  hs.peers = &peers;
+  std::thread fake([&] { *fake1 = ConnectFakeRank(peers, hs, 1); });
+  EngineConfig c;
+  c.peers = peers;
+  c.token = "test-token";
+  c.timeout_seconds = 20;
+  if (tweak) tweak(c);
+  auto engine = Engine::Start(c);
+  fake.join();
+  return engine;
+}
+
+std::vector<uint8_t> EncodeFrame(const FrameHeader& h, const std::string& name) {
+  std::vector<uint8_t> frame(kFrameHeaderSize + name.size() + h.payload_bytes);
+  EncodeFrameHeader(h, static_cast<uint32_t>(name.size()), frame.data());
+  std::copy(name.begin(), name.end(), frame.begin() + kFrameHeaderSize);
+  // The payload follows the name, so it may be misaligned for float: copied in bytewise, not stored as floats.
+  const float one = 1.f;
+  for (uint64_t i = 0; i + sizeof(float) <= h.payload_bytes; i += sizeof(float)) {
+    std::memcpy(frame.data() + kFrameHeaderSize + name.size() + i, &one, sizeof(float));
+  }
+  return frame;
+}
+
+}  // namespace kungfu::testing
