@@ -38,6 +38,9 @@ class AllGather : public Op {
     piece_ = std::max<int64_t>(1, ctx->config().chunk_bytes / esize_);
     char* mine = out_ + prefix_[r_] * esize_;
     if (in_ != mine && counts_[r_] > 0) std::memcpy(mine, in_, counts_[r_] * esize_);
+    piece_at_.assign(n_ + 1, 0);
+    for (int i = 0; i < n_; ++i) piece_at_[i + 1] = piece_at_[i] + (counts_[i] + piece_ - 1) / piece_;
+    got_piece_.assign(static_cast<size_t>(piece_at_[n_]), false);
     for (int i = 0; i < n_; ++i) {
       if (i == r_) continue;
       expected_ += counts_[i];
@@ -65,6 +68,10 @@ class AllGather : public Op {
     RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, ShapeOf(src), "an element count for its block of"));
     int64_t len = 0;
     RETURN_IF_ERROR(Placement(src, h, &len));
+    // A piece sent twice must not count as a missing one.
+    const bool twice = len == 0 ? empty_got_[src] : got_piece_[piece_at_[src] + (h.offset - prefix_[src]) / piece_];
+    if (twice) return InvalidArgument("allgather piece from rank " + std::to_string(src) + " came twice");
+    if (len > 0) got_piece_[piece_at_[src] + (h.offset - prefix_[src]) / piece_] = true;
     char* dst = out_ + h.offset * esize_;
     if (data != dst && len > 0) std::memcpy(dst, data, len * esize_);
     received_ += len;
@@ -122,6 +129,8 @@ class AllGather : public Op {
   std::vector<int64_t> prefix_;
   std::vector<int64_t> got_;     // elements received from each worker
   std::vector<bool> empty_got_;  // whether each worker's empty-block frame came
+  std::vector<int64_t> piece_at_;  // by worker: the index of its block's first piece in got_piece_
+  std::vector<bool> got_piece_;    // by piece of every block: received
   int64_t total_ = 0, piece_ = 1;
   int64_t expected_ = 0, received_ = 0;
   int empty_expected_ = 0, empty_received_ = 0;

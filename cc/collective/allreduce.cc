@@ -138,6 +138,8 @@ class AllReduceRing : public AllReduceOp {
     }
     piece_ = std::max<int64_t>(1, ctx->config().chunk_bytes / esize_);
     scratch_ = NewBuffer(piece_ * esize_);
+    pieces_per_chunk_ = (count_ / n_ + piece_) / piece_;  // chunks hold count/n elements, or one more
+    got_piece_.assign(static_cast<size_t>(2 * n_ * pieces_per_chunk_), false);
     expected_ = (count_ - ChunkSize(r_)) + (count_ - ChunkSize((r_ + 1) % n_));
     // No copy of in to out: step 0 sends our chunk from in, and every chunk of out is written
     // exactly once, either by its reduce-scatter reduction (out = in + received) or by the allgather.
@@ -157,8 +159,13 @@ class AllReduceRing : public AllReduceOp {
   Status OnData(OpContext* ctx, int src, const FrameHeader& h, const char* data) override {
     RETURN_IF_ERROR(CheckAgreement(ctx->config().peers, src, h, Shape(), "reduce op"));
     if (src != Left()) return InvalidArgument("ring frame from rank " + std::to_string(src) + ", not the left neighbour");
-    int64_t len = 0;
-    RETURN_IF_ERROR(Placement(h, &len));
+    int64_t len = 0, piece = 0;
+    RETURN_IF_ERROR(Placement(h, &len, &piece));
+    if (got_piece_[piece]) {  // a piece sent twice must not count as a missing one
+      return InvalidArgument("ring piece at offset " + std::to_string(h.offset) + " of step " + std::to_string(h.tag) +
+                             " came twice");
+    }
+    got_piece_[piece] = true;
     const int t = static_cast<int>(h.tag);
     char* dst = out_ + h.offset * esize_;
     if (t <= n_ - 2) {
@@ -183,8 +190,9 @@ class AllReduceRing : public AllReduceOp {
   int Left() const { return (r_ + n_ - 1) % n_; }
   int64_t ChunkSize(int j) const { return ChunkBegin(count_, n_, j + 1) - ChunkBegin(count_, n_, j); }
 
-  // The chunk a frame of step t must fall in, and whether it is one of our pieces.
-  Status Placement(const FrameHeader& h, int64_t* len) const {
+  // The chunk a frame of step t must fall in, and whether it is one of our pieces; *piece: its index in
+  // got_piece_ (the reduce-scatter and the allgather each receive a chunk at most once).
+  Status Placement(const FrameHeader& h, int64_t* len, int64_t* piece = nullptr) const {
     const int t = static_cast<int>(h.tag);
     if (t < 0 || t > 2 * n_ - 3) return InvalidArgument("ring step " + std::to_string(t) + " out of range");
     const int j = t <= n_ - 2 ? ((r_ - t - 1) % n_ + n_) % n_ : ((r_ - (t - n_ + 1)) % n_ + n_) % n_;
@@ -195,6 +203,7 @@ class AllReduceRing : public AllReduceOp {
     }
     *len = std::min(piece_, e - h.offset);
     if (h.payload_bytes != static_cast<uint64_t>(*len * esize_)) return InvalidArgument("ring piece has the wrong size");
+    if (piece) *piece = ((t <= n_ - 2 ? 0 : n_) + j) * pieces_per_chunk_ + (h.offset - b) / piece_;
     return Status::OK();
   }
 
@@ -205,6 +214,8 @@ class AllReduceRing : public AllReduceOp {
 
   int64_t piece_ = 1;
   int64_t expected_ = 0, received_ = 0;
+  int64_t pieces_per_chunk_ = 1;
+  std::vector<bool> got_piece_;  // by step phase, chunk and piece: received
   Buffer scratch_;  // one reduce-scatter piece
 };
 

@@ -31,6 +31,7 @@ class Broadcast : public Op {
                              std::to_string(n_));
     }
     piece_ = std::max<int64_t>(1, ctx->config().chunk_bytes / esize_);
+    got_piece_.assign(static_cast<size_t>((count_ + piece_ - 1) / piece_), false);
     if (r_ != root_ || n_ == 1) return Status::OK();
     if (chain_) {
       SendAll(ctx, Next());
@@ -53,6 +54,12 @@ class Broadcast : public Op {
     if (r_ == root_ || src != Prev()) return InvalidArgument("unexpected broadcast frame from rank " + std::to_string(src));
     int64_t len = 0;
     RETURN_IF_ERROR(Placement(h, &len));
+    if (count_ > 0) {  // a piece sent twice must not count as a missing one
+      if (got_piece_[h.offset / piece_]) {
+        return InvalidArgument("broadcast piece at offset " + std::to_string(h.offset) + " came twice");
+      }
+      got_piece_[h.offset / piece_] = true;
+    }
     char* dst = buf_ + h.offset * esize_;
     if (data != dst && len > 0) std::memcpy(dst, data, len * esize_);
     received_ += len;
@@ -155,6 +162,7 @@ class Broadcast : public Op {
   int64_t piece_ = 1;
   int64_t received_ = 0;
   int frames_ = 0;
+  std::vector<bool> got_piece_;  // by piece: received
   int acks_ = 0;
   std::vector<bool> acked_;  // root: which workers' acknowledgements came
   bool committed_ = false;  // root: commit sent; others: commit received

@@ -167,6 +167,8 @@ Status PeerToPeer::Accept(InFlight& f, const FrameHeader& h, const char* data, b
   const int64_t es = static_cast<int64_t>(DTypeSize(r.dtype));
   const int64_t begin = h.offset * es, bytes = static_cast<int64_t>(h.payload_bytes);
   if (bytes % es != 0 || begin + bytes > r.count * es) return InvalidArgument(who + " sent a piece outside the tensor");
+  // Pieces come in offset order on one connection: one sent twice must not count as a missing one.
+  if (begin != f.received) return InvalidArgument(who + " sent a piece out of order (twice?)");
   const int64_t version = static_cast<int64_t>(h.generation);
   if (f.version >= 0 && version != f.version) {
     return Internal(who + " sent pieces of versions " + std::to_string(f.version) + " and " + std::to_string(version));
