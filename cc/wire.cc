@@ -86,6 +86,13 @@ Status DecodeFrameHeader(const uint8_t* in, FrameHeader* h, uint32_t* name_len) 
     return InvalidArgument("frame payload of " + std::to_string(h->payload_bytes) + " bytes exceeds the bound of " +
                            std::to_string(kMaxPayloadBytes));
   }
+  // Frames that hold no data are bounded too: what is held for a collective not started yet (an abort)
+  // is not counted against KUNGFU_MAX_PENDING_BYTES.
+  if ((h->kind == FrameKind::kAbort && h->payload_bytes > kMaxAbortBytes) ||
+      ((h->kind == FrameKind::kAck || h->kind == FrameKind::kRequest) && h->payload_bytes > 0)) {
+    return InvalidArgument("frame of kind " + std::to_string(kind) + " with a payload of " +
+                           std::to_string(h->payload_bytes) + " bytes");
+  }
   if (h->count < 0 || h->count > kMaxElements || h->offset < 0 || h->offset > h->count) {
     return InvalidArgument("frame element count/offset out of bounds");
   }

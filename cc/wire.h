@@ -24,6 +24,7 @@ constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint8_t kMaxPadBytes = 64;
 constexpr uint64_t kMaxPayloadBytes = uint64_t{64} << 20;  // pieces are at most chunk_bytes
 constexpr int64_t kMaxElements = int64_t{1} << 40;
+constexpr uint64_t kMaxAbortBytes = 4096;  // an ABORT frame's text; ACK and REQUEST frames carry none
 
 enum class FrameKind : uint8_t {
   kData = 1,   // a piece of a collective's payload
