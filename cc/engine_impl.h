@@ -2,7 +2,8 @@
 //  - loop_ owns conns_, ops_, pending_, next_gen_ and dead_: touched only by the thread driving it (its
 //    own, or a blocking caller's in RunAndWait), one at a time under its drive lock. "The loop thread"
 //    below means whichever thread that is.
-//  - acceptor_ (one thread) accepts and authenticates incoming connections, then posts them to the loop.
+//  - acceptor_ (one thread) accepts and authenticates incoming connections, many handshakes at once,
+//    then posts them to the loop.
 //  - API calls from any thread build an Op and post it; callbacks run on the loop thread.
 //  - stats_ are atomics, readable from any thread; collective_stats_ has its own mutex (the loop thread
 //    records each finished op, any thread reads).
@@ -13,6 +14,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <map>
 #include <optional>
 #include <memory>
@@ -91,6 +93,8 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   Status ConnectToPeers();
   Status AwaitIncoming();
   void AcceptLoop();
+  void Refused(const std::string& from, const Status& why);  // acceptor thread
+  void Admit(Fd fd, int peer);                                // acceptor thread
   void AddConnection(Fd fd, int peer, bool outgoing);
   void StartOp(std::unique_ptr<Op> op);
   void Dispatch(ActiveOp& a, int src, const FrameHeader& h, const char* data);

@@ -138,6 +138,45 @@ TEST(Handshake, AVersion1ServerIsAnotherBuild) {
   EXPECT_TRUE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < 10);
 }
 
+// Clients that connect and then say nothing (a port scanner, a health check) or stop mid-HELLO must not
+// hold up the handshakes of the job's own workers: rank 0 is started alone, two such strangers connect to
+// it, and only then rank 1. Handshakes taken one at a time would keep rank 1's waiting behind theirs for
+// min(timeout, 10 s) each, past the timeout of Start on both ranks; taken at once, start-up completes
+// while the strangers still hold their connections, which are refused when their time runs out.
+TEST(Handshake, StrangersThatStallDelayNoOtherHandshake) {
+  const PeerList peers = testing::LoopbackPeers(2);
+  std::vector<StatusOr<std::unique_ptr<Engine>>> started;
+  started.reserve(2);
+  started.emplace_back(Internal("not started"));
+  started.emplace_back(Internal("not started"));
+  auto start = [&](int r) {
+    EngineConfig c;
+    c.peers = peers;
+    c.rank = r;
+    c.token = "t";
+    c.timeout_seconds = 3;
+    started[r] = Engine::Start(c);
+  };
+  std::thread rank0(start, 0);
+  auto silent = ConnectWithRetry(peers.at(0), DeadlineAfter(10));
+  auto halfway = ConnectWithRetry(peers.at(0), DeadlineAfter(10));
+  const uint8_t part_of_a_hello[10] = {'K', 'F', 'H', 'S', 2, 7, 9, 0, 0, 0};
+  if (halfway.ok()) (void)WriteFull(halfway.value().get(), part_of_a_hello, sizeof(part_of_a_hello), DeadlineAfter(5));
+  std::thread rank1(start, 1);
+  rank0.join();
+  rank1.join();
+  ASSERT_TRUE(silent.ok() && halfway.ok());
+  ASSERT_TRUE(started[0].ok());
+  EXPECT_TRUE(started[1].ok());
+  // Both strangers are still connected here (they keep quiet); their handshakes run out after 3 s.
+  char byte = 0;
+  for (Fd* stranger : {&silent.value(), &halfway.value()}) {
+    const Status closed = ReadFull(stranger->get(), &byte, 1, DeadlineAfter(10));
+    EXPECT_EQ(CodeName(closed.code()), CodeName(Code::kUnavailable));  // the engine closed it
+  }
+  EXPECT_EQ(started[0].value()->stats().refused_handshakes, 2);
+}
+
 TEST(Errors, PortInUseFailsStartPromptly) {
   const PeerList peers = testing::LoopbackPeers(2);
   EngineConfig c;

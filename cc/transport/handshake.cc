@@ -1,5 +1,9 @@
 #include "cc/transport/handshake.h"
 
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <cerrno>
 #include <cstring>
 #include <vector>
 
@@ -75,24 +79,34 @@ Digest Mac(const std::string& token, const char* label, const uint8_t* a, const 
   return HmacSha256(token, msg.data(), msg.size());
 }
 
-Status ReadHello(int fd, Hello* h, std::vector<uint8_t>* raw, Deadline deadline) {
-  uint8_t head[16 + kNonceBytes];
-  RETURN_IF_ERROR(ReadFull(fd, head, sizeof(head), deadline));
-  uint32_t magic;
-  uint16_t id_len;
-  std::memcpy(&magic, head, 4);
-  std::memcpy(&h->version, head + 4, 2);
-  std::memcpy(&id_len, head + 6, 2);
-  std::memcpy(&h->cluster_version, head + 8, 4);
-  std::memcpy(&h->rank, head + 12, 4);
-  std::memcpy(h->nonce, head + 16, kNonceBytes);
-  if (magic != kHelloMagic) return InvalidArgument("not a KungFu handshake (bad magic)");
-  if (id_len == 0 || id_len > kMaxIdBytes) return InvalidArgument("handshake id length out of bounds");
-  h->id.resize(id_len);
-  RETURN_IF_ERROR(ReadFull(fd, h->id.data(), id_len, deadline));
-  raw->assign(head, head + sizeof(head));
-  raw->insert(raw->end(), h->id.begin(), h->id.end());
-  return Status::OK();
+constexpr size_t kHelloHeadBytes = 16 + kNonceBytes;  // HELLO up to its id
+
+// Reads at most len bytes that fd holds now, never waiting: *got 0 when it holds none yet.
+Status ReadSome(int fd, uint8_t* p, size_t len, size_t* got) {
+  *got = 0;
+  for (;;) {
+    const ssize_t n = ::recv(fd, p, len, MSG_DONTWAIT);
+    if (n > 0) {
+      *got = static_cast<size_t>(n);
+      return Status::OK();
+    }
+    if (n == 0) return Unavailable("connection closed by the remote end");
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return Status::OK();
+    return ErrnoStatus(Code::kUnavailable, "recv", errno);
+  }
+}
+
+// Sends a short answer without waiting: on a connection with nothing else in flight it fits the socket's
+// buffer, so a short send means a client that does not read.
+Status SendAnswer(int fd, const void* p, size_t len) {
+  for (;;) {
+    const ssize_t n = ::send(fd, p, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n == static_cast<ssize_t>(len)) return Status::OK();
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK) return ErrnoStatus(Code::kUnavailable, "send", errno);
+    return Unavailable("the handshake's answer did not fit the socket's buffer");
+  }
 }
 
 // Why the address of rank `dialed` led to rank `reached` (maybe this worker itself), naming the address
@@ -163,48 +177,105 @@ Status ClientHandshake(int fd, const HandshakeParams& params, int self_rank, con
   return Status::OK();
 }
 
-StatusOr<int> ServerHandshake(int fd, const HandshakeParams& params, Deadline deadline) {
-  Hello hello;
-  std::vector<uint8_t> raw;
-  RETURN_IF_ERROR(ReadHello(fd, &hello, &raw, deadline));
-  if (params.self_rank < 0) return Internal("ServerHandshake: HandshakeParams.self_rank is not set");
-  uint8_t challenge[kChallengeBytes];
-  if (!RandomBytes(challenge, kNonceBytes)) return Internal("getrandom failed");
-  const Digest server_mac =
-      Mac(params.token, "kungfu-server", hello.nonce, challenge, RankBytes(static_cast<uint32_t>(params.self_rank)));
-  std::memcpy(challenge + kNonceBytes, server_mac.data(), 32);
-  RETURN_IF_ERROR(WriteFull(fd, challenge, sizeof(challenge), deadline));
+static_assert(kChallengeBytes == 64, "ServerHandshaker::challenge_ holds a CHALLENGE");
 
-  uint8_t proof[32];
-  RETURN_IF_ERROR(ReadFull(fd, proof, sizeof(proof), deadline));
-  const Digest expect = Mac(params.token, "kungfu-client", challenge, hello.nonce, raw);
+Status ServerHandshaker::Advance(int fd, bool* done) {
+  *done = false;
+  if (want_ == 0) {  // the first call
+    want_ = kHelloHeadBytes;
+    buf_.resize(want_);
+  }
+  for (;;) {
+    size_t got = 0;
+    RETURN_IF_ERROR(ReadSome(fd, buf_.data() + have_, want_ - have_, &got));
+    if (got == 0) return Status::OK();  // more later
+    have_ += got;
+    if (have_ < want_) continue;
+    switch (phase_) {
+      case Phase::kHelloHead: {
+        uint32_t magic;
+        uint16_t id_len;
+        std::memcpy(&magic, &buf_[0], 4);
+        std::memcpy(&hello_version_, &buf_[4], 2);
+        std::memcpy(&id_len, &buf_[6], 2);
+        std::memcpy(&hello_cluster_version_, &buf_[8], 4);
+        std::memcpy(&hello_rank_, &buf_[12], 4);
+        if (magic != kHelloMagic) return InvalidArgument("not a KungFu handshake (bad magic)");
+        if (id_len == 0 || id_len > kMaxIdBytes) return InvalidArgument("handshake id length out of bounds");
+        hello_raw_ = buf_;
+        phase_ = Phase::kHelloId;
+        want_ = id_len;
+        break;
+      }
+      case Phase::kHelloId:
+        hello_id_.assign(buf_.begin(), buf_.end());
+        hello_raw_.insert(hello_raw_.end(), buf_.begin(), buf_.end());
+        RETURN_IF_ERROR(OnHello(fd));
+        phase_ = Phase::kProof;
+        want_ = 32;
+        break;
+      case Phase::kProof:
+        return OnProof(fd, done);
+    }
+    have_ = 0;
+    buf_.assign(want_, 0);
+  }
+}
+
+// The HELLO is complete: send the CHALLENGE.
+Status ServerHandshaker::OnHello(int fd) {
+  if (params_.self_rank < 0) return Internal("ServerHandshake: HandshakeParams.self_rank is not set");
+  if (!RandomBytes(challenge_, kNonceBytes)) return Internal("getrandom failed");
+  const uint8_t* client_nonce = hello_raw_.data() + 16;
+  const Digest server_mac = Mac(params_.token, "kungfu-server", client_nonce, challenge_,
+                                RankBytes(static_cast<uint32_t>(params_.self_rank)));
+  std::memcpy(challenge_ + kNonceBytes, server_mac.data(), 32);
+  return SendAnswer(fd, challenge_, sizeof(challenge_));
+}
+
+// The PROOF is complete (in buf_): judge it and the HELLO, and send the VERDICT.
+Status ServerHandshaker::OnProof(int fd, bool* done) {
+  const uint8_t* client_nonce = hello_raw_.data() + 16;
+  const Digest expect = Mac(params_.token, "kungfu-client", challenge_, client_nonce, hello_raw_);
   uint8_t verdict = kAccepted;
   Status result;
   int rank = -1;
-  if (!ConstantTimeEqual(expect.data(), proof, 32)) {
+  if (!ConstantTimeEqual(expect.data(), buf_.data(), 32)) {
     verdict = kBadToken;
     result = PermissionDenied("the job token did not match");
-  } else if (hello.version != kHandshakeVersion) {
+  } else if (hello_version_ != kHandshakeVersion) {
     verdict = kWrongVersion;
-    result = InvalidArgument("peer speaks protocol " + std::to_string(hello.version) + ", this worker " +
+    result = InvalidArgument("peer speaks protocol " + std::to_string(hello_version_) + ", this worker " +
                              std::to_string(kHandshakeVersion) + ": another build of kungfu");
-  } else if (hello.cluster_version != params.cluster_version) {
+  } else if (hello_cluster_version_ != params_.cluster_version) {
     verdict = kWrongVersion;
-    result = InvalidArgument("peer works under cluster version " + std::to_string(hello.cluster_version) +
-                             ", this worker under " + std::to_string(params.cluster_version));
+    result = InvalidArgument("peer works under cluster version " + std::to_string(hello_cluster_version_) +
+                             ", this worker under " + std::to_string(params_.cluster_version));
   } else {
-    auto id = ParsePeerID(hello.id);
-    rank = id.ok() ? params.peers->RankOf(*id) : -1;
-    if (rank < 0 || rank != static_cast<int>(hello.rank)) {
+    auto id = ParsePeerID(hello_id_);
+    rank = id.ok() ? params_.peers->RankOf(*id) : -1;
+    if (rank < 0 || rank != static_cast<int>(hello_rank_)) {
       verdict = kNotMember;
-      result = PermissionDenied("peer '" + hello.id + "' (rank " + std::to_string(hello.rank) +
+      result = PermissionDenied("peer '" + hello_id_ + "' (rank " + std::to_string(hello_rank_) +
                                 ") is not in the peer list");
     }
   }
   // Best effort: the client learns why before we close.
-  (void)WriteFull(fd, &verdict, 1, deadline);
+  (void)SendAnswer(fd, &verdict, 1);
   if (!result.ok()) return result;
-  return rank;
+  rank_ = rank;
+  *done = true;
+  return Status::OK();
+}
+
+StatusOr<int> ServerHandshake(int fd, const HandshakeParams& params, Deadline deadline) {
+  ServerHandshaker hs(params);
+  for (;;) {
+    bool done = false;
+    RETURN_IF_ERROR(hs.Advance(fd, &done));
+    if (done) return hs.rank();
+    RETURN_IF_ERROR(WaitFor(fd, POLLIN, deadline, "read"));
+  }
 }
 
 }  // namespace kungfu

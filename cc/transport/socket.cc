@@ -48,14 +48,11 @@ StatusOr<Fd> Listen(uint16_t port) {
   return fd;
 }
 
-namespace {
-
 int MillisLeft(Deadline deadline) {
   const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
   return left < 0 ? 0 : static_cast<int>(left);
 }
 
-// Waits for fd to become readable/writable; DeadlineExceeded when the deadline passes first.
 Status WaitFor(int fd, short events, Deadline deadline, const char* what) {
   for (;;) {
     pollfd p{fd, events, 0};
@@ -65,6 +62,8 @@ Status WaitFor(int fd, short events, Deadline deadline, const char* what) {
     if (errno != EINTR) return ErrnoStatus(Code::kUnavailable, "poll", errno);
   }
 }
+
+namespace {
 
 // A lookup that may succeed if asked again: the DNS server did not answer in time (EAI_AGAIN), or the
 // lookup itself failed here (memory, file descriptors). Anything else (EAI_NONAME: no such name) is an

@@ -58,6 +58,11 @@ int ResolveIPv4(const std::string& host, std::vector<in_addr>* out);
 // exist (EAI_NONAME and other permanent failures) fails at once, unless it resolved before. The error
 // names the addresses tried: "could not connect to peer nodea:10811 (10.77.1.3) before the deadline: ...".
 StatusOr<Fd> ConnectWithRetry(const PeerID& peer, Deadline deadline, const Resolver& resolve = ResolveIPv4);
+// Milliseconds from now to the deadline, at least 0 (for poll).
+int MillisLeft(Deadline deadline);
+// Waits for fd to become readable/writable (POLLIN/POLLOUT); DeadlineExceeded("timed out waiting to "
+// + what) when the deadline passes first.
+Status WaitFor(int fd, short events, Deadline deadline, const char* what);
 // Blocking exact read/write with a deadline (used by the handshake only; the event loop is non-blocking).
 Status ReadFull(int fd, void* buf, size_t len, Deadline deadline);
 Status WriteFull(int fd, const void* buf, size_t len, Deadline deadline);
