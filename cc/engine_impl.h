@@ -88,11 +88,13 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
     int src;
     FrameHeader h;
     Buffer data;
+    int64_t cost;  // what it counts in pending_bytes_ (HeldCost)
   };
 
   Status ConnectToPeers();
   Status AwaitIncoming();
   void AcceptLoop();
+  void Poison(const Key& key);  // fails the collective when it starts here: a frame for it was dropped
   void Refused(const std::string& from, const Status& why);  // acceptor thread
   void Admit(Fd fd, int peer);                                // acceptor thread
   void AddConnection(Fd fd, int peer, bool outgoing);
@@ -141,10 +143,14 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   std::unordered_map<uint64_t, Key> op_keys_;
   std::map<Key, std::vector<PendingFrame>> pending_;
   // Bytes held for collectives not started yet, counted against max_pending_bytes: the frames in
-  // pending_ plus, from the moment its header is read, each frame still arriving into a buffer of its
-  // own (receiving_: by rank, the frame being read from that peer's data stream), so that frames
-  // arriving from several peers at once cannot pass the bound together.
+  // pending_ (each with its header and name, so that frames with no payload are bounded too) plus, from
+  // the moment its header is read, each frame still arriving into a buffer of its own (receiving_: by
+  // rank, the frame being read from that peer's data stream), so that frames arriving from several peers
+  // at once cannot pass the bound together.
   int64_t pending_bytes_ = 0;
+  bool poison_full_logged_ = false;  // Poison dropped a frame unmarked (said once)
+  std::optional<Deadline> poison_logged_at_;  // Poison's last warning, and how many were not said since
+  int64_t poisons_unlogged_ = 0;
   std::unordered_map<int, int64_t> receiving_;
   std::unordered_map<std::string, uint64_t> next_gen_;
   std::vector<Status> dead_;  // by rank: why a peer is gone (OK while alive)

@@ -12,6 +12,17 @@ namespace kungfu {
 namespace {
 constexpr size_t kMaxAbortText = kMaxAbortBytes;
 constexpr int kPoisonSource = -1;  // a pending entry the engine made itself (buffer overflow)
+// Past max_pending_bytes, a collective whose frame was dropped is marked to fail when it starts (Poison);
+// those marks count too, up to this much more. Beyond that (a flood of frames for thousands of names
+// never started) frames are dropped unmarked: such a collective fails at its deadline instead.
+constexpr int64_t kPoisonAllowance = int64_t{1} << 20;
+constexpr int kPoisonLogSeconds = 5;
+
+// What a held frame counts against max_pending_bytes: its payload, and its header and name, which a
+// frame with no payload (an abort, an empty tensor's piece) is held for too.
+int64_t HeldCost(const FrameHeader& h, const std::string& name) {
+  return static_cast<int64_t>(h.payload_bytes + kFrameHeaderSize + name.size());
+}
 }  // namespace
 
 std::string Engine::Impl::Describe(const Op& op) const { return std::string(op.kind()) + " '" + op.name() + "'"; }
@@ -40,9 +51,7 @@ void Engine::Impl::StartOp(std::unique_ptr<Op> op) {
   if (pit != pending_.end()) {
     frames = std::move(pit->second);
     pending_.erase(pit);
-    for (auto& f : frames) {
-      if (f.src != kPoisonSource) pending_bytes_ -= static_cast<int64_t>(f.h.payload_bytes);
-    }
+    for (auto& f : frames) pending_bytes_ -= f.cost;
   }
   if (size() > 1 && !first_dead_.ok()) return Fail(id, first_dead_, false);
   if (Status never = NeverJoined(*raw); !never.ok()) return Fail(id, never, false);
@@ -228,26 +237,54 @@ char* Engine::Impl::PayloadTarget(int src, const FrameHeader& h, const std::stri
     stats_.bytes_received += static_cast<int64_t>(h.payload_bytes);
     return nullptr;
   }
-  if (pending_bytes_ + static_cast<int64_t>(h.payload_bytes) > config_.max_pending_bytes) {
+  if (pending_bytes_ + HeldCost(h, name) > config_.max_pending_bytes) {
     *discard = true;
     stats_.bytes_received += static_cast<int64_t>(h.payload_bytes);
-    std::vector<PendingFrame>& held = pending_[key];
-    for (const PendingFrame& f : held) {
-      if (f.src == kPoisonSource) return nullptr;  // said once per collective (a big one comes in many pieces)
-    }
-    const std::string why = "more than " + std::to_string(config_.max_pending_bytes) +
-                            " bytes arrived for collectives this worker had not started (the last for '" + name +
-                            "'); raise KUNGFU_MAX_PENDING_BYTES or start collectives in a more similar order";
-    Buffer text = NewBuffer(why.size() + 1);
-    std::copy(why.begin(), why.end() + 1, text.get());
-    held.push_back(PendingFrame{kPoisonSource, h, std::move(text)});
-    KF_LOG(Warning) << "rank " << rank() << ": " << why;
+    Poison(key);
     return nullptr;
   }
   // The connection buffers it; charged now, while it arrives (OnFrame settles it).
   pending_bytes_ += static_cast<int64_t>(h.payload_bytes);
   receiving_[src] += static_cast<int64_t>(h.payload_bytes);
   return nullptr;
+}
+
+void Engine::Impl::Poison(const Key& key) {
+  auto it = pending_.find(key);
+  if (it != pending_.end()) {
+    for (const PendingFrame& f : it->second) {
+      if (f.src == kPoisonSource) return;  // said once per collective (a big one comes in many pieces)
+    }
+  }
+  const std::string why = "more than " + std::to_string(config_.max_pending_bytes) +
+                          " bytes arrived for collectives this worker had not started (the last for '" + key.first +
+                          "'); raise KUNGFU_MAX_PENDING_BYTES or start collectives in a more similar order";
+  FrameHeader h;
+  h.generation = key.second;
+  const int64_t cost = HeldCost(h, key.first) + static_cast<int64_t>(why.size()) + 1;
+  if (pending_bytes_ + cost > config_.max_pending_bytes + kPoisonAllowance) {
+    if (!poison_full_logged_) {
+      KF_LOG(Warning) << "rank " << rank() << ": " << why << "; more frames for collectives not started are dropped";
+      poison_full_logged_ = true;
+    }
+    return;
+  }
+  Buffer text = NewBuffer(why.size() + 1);
+  std::copy(why.begin(), why.end() + 1, text.get());
+  pending_[key].push_back(PendingFrame{kPoisonSource, h, std::move(text), cost});
+  pending_bytes_ += cost;
+  // Said at most once per kPoisonLogSeconds: a peer far ahead may overflow the bound for many names.
+  const Deadline now = Clock::now();
+  if (poison_logged_at_ && now - *poison_logged_at_ < std::chrono::seconds(kPoisonLogSeconds)) {
+    ++poisons_unlogged_;
+    return;
+  }
+  KF_LOG(Warning) << "rank " << rank() << ": " << why
+                  << (poisons_unlogged_ ? " (and for " + std::to_string(poisons_unlogged_) +
+                                              " more collectives since the last such message)"
+                                        : std::string());
+  poison_logged_at_ = now;
+  poisons_unlogged_ = 0;
 }
 
 void Engine::Impl::SettleReceiving(int src) {
@@ -282,23 +319,30 @@ void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char
   auto g = next_gen_.find(key.first);
   if (g != next_gen_.end() && h.generation < g->second) return;  // late frame of an ended op
   if (h.payload_bytes > 0 && !owned) return;  // discarded for lack of buffer space (poisoned above)
-  std::vector<PendingFrame>& held = pending_[key];
-  // Once an abort is held, the op will fail here on it when it starts, so data for it is of no use: it is
-  // let go (what was held) or not kept (what comes later), rather than held for the life of the process if
-  // the op never starts (a caught timeout whose late peer never calls it), counting against the bound.
-  const auto is_abort = [](const PendingFrame& f) { return f.src != kPoisonSource && f.h.kind == FrameKind::kAbort; };
-  if (h.kind == FrameKind::kData && std::any_of(held.begin(), held.end(), is_abort)) return;
-  if (h.kind == FrameKind::kAbort) {
-    held.erase(std::remove_if(held.begin(), held.end(),
-                              [this](const PendingFrame& f) {
-                                const bool drop = f.src != kPoisonSource && f.h.kind == FrameKind::kData;
-                                if (drop) pending_bytes_ -= static_cast<int64_t>(f.h.payload_bytes);
-                                return drop;  // counted here, once per element: the tail is moved-from
-                              }),
-               held.end());
+  auto pit = pending_.find(key);
+  if (pit != pending_.end()) {
+    std::vector<PendingFrame>& held = pit->second;
+    // Once an abort is held, the op will fail here on it when it starts, so data for it is of no use: it
+    // is let go (what was held) or not kept (what comes later), rather than held for the life of the
+    // process if the op never starts (a caught timeout whose late peer never calls it), counting against
+    // the bound.
+    const auto is_abort = [](const PendingFrame& f) { return f.src != kPoisonSource && f.h.kind == FrameKind::kAbort; };
+    if (h.kind == FrameKind::kData && std::any_of(held.begin(), held.end(), is_abort)) return;
+    if (h.kind == FrameKind::kAbort) {
+      held.erase(std::remove_if(held.begin(), held.end(),
+                                [this](const PendingFrame& f) {
+                                  const bool drop = f.src != kPoisonSource && f.h.kind == FrameKind::kData;
+                                  if (drop) pending_bytes_ -= f.cost;
+                                  return drop;  // counted here, once per element: the tail is moved-from
+                                }),
+                 held.end());
+    }
   }
-  pending_bytes_ += static_cast<int64_t>(h.payload_bytes);
-  held.push_back(PendingFrame{src, h, std::move(owned)});
+  const int64_t cost = HeldCost(h, key.first);
+  // A payload was measured against the bound as it arrived (PayloadTarget); a frame without one is here.
+  if (h.payload_bytes == 0 && pending_bytes_ + cost > config_.max_pending_bytes) return Poison(key);
+  pending_bytes_ += cost;
+  pending_[key].push_back(PendingFrame{src, h, std::move(owned), cost});
 }
 
 // Deadlines. Every collective and peer-to-peer request gets KUNGFU_TIMEOUT on the monotonic clock when it

@@ -147,5 +147,71 @@ TEST(Errors, FramesArrivingTogetherShareThePendingBound) {
   EXPECT_TRUE(s.message().find("KUNGFU_MAX_PENDING_BYTES") != std::string::npos);
 }
 
+// Frames with no payload (an empty tensor's piece, an abort) for collectives not started are held too,
+// so they count against max_pending_bytes with their header and name: a peer that sends them for name
+// after name cannot grow this worker's memory without bound. Here 2,000 such frames (about 136 KB)
+// against a bound of 16 KiB: the first are held and their collectives complete, the later ones fail
+// when they start, saying why. They used to be held for free, and every one of them completed.
+TEST(Errors, FramesWithoutPayloadCountAgainstThePendingBound) {
+  const PeerList peers = testing::LoopbackPeers(2);
+  FakeRank fake;
+  auto engine = StartBesideFakeRank1(peers, &fake, [](EngineConfig& c) { c.max_pending_bytes = 16 << 10; });
+  ASSERT_OK(engine.status());
+  ASSERT_TRUE(fake.rank0_reads.valid());
+  FrameHeader h;
+  h.kind = FrameKind::kData;
+  h.algo = Algo::kAllReduceDoubling;
+  h.dtype = static_cast<uint8_t>(DType::kFloat32);
+  h.aux = static_cast<uint32_t>(ReduceOp::kSum);
+  h.cluster_version = peers.version();
+  std::vector<uint8_t> stream;
+  for (int i = 0; i < 2000; ++i) {
+    const std::vector<uint8_t> frame = EncodeFrame(h, "e" + std::to_string(i));
+    stream.insert(stream.end(), frame.begin(), frame.end());
+  }
+  h.count = 1;  // then one with a payload: once it is counted as received, all of the above were read
+  h.payload_bytes = sizeof(float);
+  const std::vector<uint8_t> marker = EncodeFrame(h, "marker");
+  stream.insert(stream.end(), marker.begin(), marker.end());
+  ASSERT_OK(WriteFull(fake.rank0_reads.get(), stream.data(), stream.size(), DeadlineAfter(10)));
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (engine.value()->stats().bytes_received < 4 && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(engine.value()->stats().bytes_received >= 4);
+  for (const char* name : {"e0", "e1999"}) {
+    Waiter w;
+    engine.value()->AllReduce(nullptr, nullptr, 0, DType::kFloat32, ReduceOp::kSum, name, w.Callback());
+    const Status s = w.Wait();
+    if (std::string(name) == "e0") {
+      EXPECT_OK(s);
+    } else {
+      EXPECT_EQ(CodeName(s.code()), CodeName(Code::kResourceExhausted));
+      EXPECT_TRUE(s.message().find("KUNGFU_MAX_PENDING_BYTES") != std::string::npos);
+    }
+  }
+  // Past the bound, the marks that make those collectives fail count too, up to 1 MiB more (about 4,000
+  // here); frames beyond that are dropped. The frames held first still serve their collectives.
+  stream.clear();
+  h.count = 0;
+  h.payload_bytes = 0;
+  for (int i = 2000; i < 8000; ++i) {
+    const std::vector<uint8_t> frame = EncodeFrame(h, "e" + std::to_string(i));
+    stream.insert(stream.end(), frame.begin(), frame.end());
+  }
+  h.count = 1;
+  h.payload_bytes = sizeof(float);
+  const std::vector<uint8_t> marker2 = EncodeFrame(h, "marker2");
+  stream.insert(stream.end(), marker2.begin(), marker2.end());
+  ASSERT_OK(WriteFull(fake.rank0_reads.get(), stream.data(), stream.size(), DeadlineAfter(10)));
+  while (engine.value()->stats().bytes_received < 8 && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(engine.value()->stats().bytes_received >= 8);
+  Waiter w;
+  engine.value()->AllReduce(nullptr, nullptr, 0, DType::kFloat32, ReduceOp::kSum, "e1", w.Callback());
+  EXPECT_OK(w.Wait());
+}
+
 }  // namespace
 }  // namespace kungfu
