@@ -221,7 +221,12 @@ void Engine::Impl::OnSendDone(uint64_t op_id) {
 
 char* Engine::Impl::PayloadTarget(int src, const FrameHeader& h, const std::string& name, bool* discard,
                                   uint64_t* owner) {
-  if (h.kind == FrameKind::kResponse) return p2p_.PayloadTarget(src, h, discard, owner);
+  if (h.kind == FrameKind::kResponse) {
+    char* target = p2p_.PayloadTarget(src, h, discard, owner);
+    // A dropped payload is still read from the socket: it counts in bytes_received (OnFrame counts the rest).
+    if (*discard) stats_.bytes_received += static_cast<int64_t>(h.payload_bytes);
+    return target;
+  }
   if (h.kind != FrameKind::kData) return nullptr;
   const Key key(name, h.generation);
   auto it = ops_.find(key);
@@ -231,7 +236,6 @@ char* Engine::Impl::PayloadTarget(int src, const FrameHeader& h, const std::stri
     return target;
   }
   auto g = next_gen_.find(name);
-  // A dropped payload is still read from the socket: it counts in bytes_received (OnFrame counts the rest).
   if (g != next_gen_.end() && h.generation < g->second) {  // the op already ended here
     *discard = true;
     stats_.bytes_received += static_cast<int64_t>(h.payload_bytes);
@@ -339,8 +343,10 @@ void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char
     }
   }
   const int64_t cost = HeldCost(h, key.first);
-  // A payload was measured against the bound as it arrived (PayloadTarget); a frame without one is here.
-  if (h.payload_bytes == 0 && pending_bytes_ + cost > config_.max_pending_bytes) return Poison(key);
+  // A data frame's payload was measured against the bound as it arrived (PayloadTarget); every other
+  // frame (one with no payload, an abort with its text) is measured here.
+  const bool measured = h.kind == FrameKind::kData && h.payload_bytes > 0;
+  if (!measured && pending_bytes_ + cost > config_.max_pending_bytes) return Poison(key);
   pending_bytes_ += cost;
   pending_[key].push_back(PendingFrame{src, h, std::move(owned), cost});
 }
