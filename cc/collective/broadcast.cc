@@ -54,12 +54,11 @@ class Broadcast : public Op {
     if (r_ == root_ || src != Prev()) return InvalidArgument("unexpected broadcast frame from rank " + std::to_string(src));
     int64_t len = 0;
     RETURN_IF_ERROR(Placement(h, &len));
-    if (count_ > 0) {  // a piece sent twice must not count as a missing one
-      if (got_piece_[h.offset / piece_]) {
-        return InvalidArgument("broadcast piece at offset " + std::to_string(h.offset) + " came twice");
-      }
-      got_piece_[h.offset / piece_] = true;
+    // A piece sent twice must not count as a missing one (an empty tensor comes in one frame).
+    if (count_ > 0 ? got_piece_[h.offset / piece_] : frames_ > 0) {
+      return InvalidArgument("broadcast piece at offset " + std::to_string(h.offset) + " came twice");
     }
+    if (count_ > 0) got_piece_[h.offset / piece_] = true;
     char* dst = buf_ + h.offset * esize_;
     if (data != dst && len > 0) std::memcpy(dst, data, len * esize_);
     received_ += len;
@@ -79,6 +78,8 @@ class Broadcast : public Op {
     if (h.tag != 0 || ++acks_ > ExpectedAcks()) return InvalidArgument("unexpected broadcast acknowledgement");
     if (src >= 0 && src < n_) {
       acked_.resize(n_);
+      // One worker's twice must not count as another's: the root would commit before that one has the data.
+      if (acked_[src]) return InvalidArgument("broadcast acknowledgement from rank " + std::to_string(src) + " came twice");
       acked_[src] = true;
     }
     if (acks_ == ExpectedAcks()) {

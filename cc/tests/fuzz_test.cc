@@ -806,6 +806,14 @@ TEST(Fuzz, APieceSentTwiceIsNotTheMissingOne) {
   commit.kind = FrameKind::kAck;
   commit.tag = 1;
   wire.push_back(Frame(commit, "bcast"));
+  // An empty broadcast from rank 1: its one frame twice, then the commit.
+  const FrameHeader empty = shape(Algo::kBroadcastStar, DType::kFloat32, 0, 1);
+  piece(empty, 0, 0, 0, "bempty");
+  piece(empty, 0, 0, 0, "bempty");
+  FrameHeader empty_commit = empty;
+  empty_commit.kind = FrameKind::kAck;
+  empty_commit.tag = 1;
+  wire.push_back(Frame(empty_commit, "bempty"));
   // An all-gather of 5 + 256 int32: rank 1's first piece twice.
   const FrameHeader gather = shape(Algo::kAllGather, DType::kInt32, 261, 256);
   piece(gather, 0, 5, 128, "gather");
@@ -819,19 +827,57 @@ TEST(Fuzz, APieceSentTwiceIsNotTheMissingOne) {
   Engine& e = *engine.value();
   std::vector<int32_t> r_in(1000, 0), r_out(1000, -1), g_in(5, 1), g_out(261, -1);
   std::vector<float> b_buf(256, -1), q_out(256, -1);
-  TimedWaiter w[4];
+  TimedWaiter w[5];
   e.AllReduce(r_in.data(), r_out.data(), 1000, DType::kInt32, ReduceOp::kSum, "ring", w[0].Callback());
   e.Broadcast(b_buf.data(), 256, DType::kFloat32, 1, "bcast", w[1].Callback());
   e.AllGather(g_in.data(), g_out.data(), {5, 256}, DType::kInt32, "gather", w[2].Callback());
   e.Request(1, "req", q_out.data(), 256, DType::kFloat32, 0, w[3].RequestDone());
+  e.Broadcast(nullptr, 0, DType::kFloat32, 1, "bempty", w[4].Callback());
   for (const auto& bytes : wire) ASSERT_OK(WriteFull(fake.rank0_reads.get(), bytes.data(), bytes.size(), DeadlineAfter(5)));
-  const char* names[4] = {"ring", "bcast", "gather", "req"};
-  for (int op = 0; op < 4; ++op) {
+  const char* names[5] = {"ring", "bcast", "gather", "req", "bempty"};
+  for (int op = 0; op < 5; ++op) {
     Status s = w[op].Wait(30, names[op]);
     EXPECT_TRUE(!s.ok());
     EXPECT_TRUE(s.message().find(std::string("'") + names[op] + "'") != std::string::npos);
     if (!s.ok()) std::fprintf(stderr, "  %s: %s\n", names[op], s.ToString().c_str());
   }
+}
+
+// The root of a star broadcast commits once every other worker has acknowledged the data: one worker's
+// acknowledgement sent twice must not stand for another's, or the root commits (and its peers finish)
+// before that one has the data. Rank 0 is the root of 3, fake rank 1 acknowledges twice, fake rank 2 never.
+TEST(Fuzz, AnAcknowledgementSentTwiceIsNotAnotherWorkers) {
+  const PeerList peers = testing::LoopbackPeers(3);
+  HandshakeParams hs;
+  hs.token = "test-token";
+  hs.peers = &peers;
+  FakeRank fakes[3];  // ranks 1 and 2
+  std::thread fake1([&] { fakes[1] = testing::ConnectFakeRank(peers, hs, 1); });
+  std::thread fake2([&] { fakes[2] = testing::ConnectFakeRank(peers, hs, 2); });
+  EngineConfig c;
+  c.peers = peers;
+  c.token = "test-token";
+  c.timeout_seconds = 5;
+  auto engine = Engine::Start(c);
+  fake1.join();
+  fake2.join();
+  ASSERT_OK(engine.status());
+  ASSERT_TRUE(fakes[1].rank0_reads.valid());
+  std::vector<float> buf(16, 1.f);
+  TimedWaiter w;
+  engine.value()->Broadcast(buf.data(), 16, DType::kFloat32, 0, "b", w.Callback());
+  FrameHeader ack;
+  ack.kind = FrameKind::kAck;
+  ack.algo = Algo::kBroadcastStar;
+  ack.dtype = static_cast<uint8_t>(DType::kFloat32);
+  ack.count = 16;
+  ack.aux = 0;  // the root
+  ack.cluster_version = peers.version();
+  const std::vector<uint8_t> frame = Frame(ack, "b");
+  for (int i = 0; i < 2; ++i) ASSERT_OK(WriteFull(fakes[1].rank0_reads.get(), frame.data(), frame.size(), DeadlineAfter(5)));
+  const Status s = w.Wait(30, "b");
+  EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
+  EXPECT_TRUE(s.message().find("came twice") != std::string::npos);
 }
 
 }  // namespace
