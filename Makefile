@@ -21,7 +21,7 @@ BAZEL ?= bazel
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-APT_PACKAGES := build-essential bazel-bootstrap openmpi-bin libopenmpi-dev
+APT_PACKAGES := build-essential bazel-bootstrap openmpi-bin libopenmpi-dev iproute2
 PIP := $(PYTHON) -m pip --disable-pip-version-check
 PIP_INSTALL := $(PIP) install --root-user-action=ignore
 # Where pip puts console scripts (kfrun): pyenv's shims only see new ones after `pyenv rehash`.
