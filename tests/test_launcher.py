@@ -187,6 +187,50 @@ def test_output_to_a_non_blocking_pipe_is_complete(reaper):
     assert [x for x in lines if x.startswith("[1]")] == _fill_lines(1)
 
 
+CHATTY_WORKER = """
+import os, sys, time
+rank = os.environ["KUNGFU_RANK"]
+path = os.path.join(os.environ["PID_DIR"], "w" + rank)
+with open(path + ".tmp", "w") as f:
+    f.write(str(os.getpid()))
+os.rename(path + ".tmp", path)
+for i in range(6000):  # a minute of output, unless the job is ended
+    print(f"{rank} line {i}", flush=True)
+    time.sleep(0.01)
+"""
+
+
+def test_a_reader_that_goes_away_ends_the_job(reaper):
+    """`kfrun ... | head -2`: once the reader of kfrun's stdout has gone, kfrun's next write fails with EPIPE
+    and the job ends, as a pipeline ends a command whose reader exited (and as mpirun does): every worker
+    gets SIGTERM and kfrun exits with 141 (128 + SIGPIPE) at once, not when the workers would have finished
+    (a minute here). It used to drop the output and let the job run on."""
+    pid_dir, _ = reaper
+    r, w = os.pipe()
+    try:
+        proc = start_kfrun(["-np", "2", "--kill-after", "2", "--", sys.executable, "-c", CHATTY_WORKER], reaper,
+                           stdout=w)
+        os.close(w)
+        w = None
+        pids = wait_for_files(pid_dir, ["w0", "w1"], timeout=30)
+        with os.fdopen(r, "rb") as reader:  # as head -2 does: two lines, then gone
+            r = None
+            lines = [reader.readline() for _ in range(2)]
+        gone = time.monotonic()
+        code = proc.wait(timeout=30)
+        took = time.monotonic() - gone
+    finally:
+        for fd in (r, w):
+            if fd is not None:
+                os.close(fd)
+    err = proc.stderr.read()
+    assert all(re.match(rb"\[[01]\] [01] line \d+\n$", line) for line in lines), lines
+    assert code == 141, err[-2000:]
+    assert took < 15, f"kfrun took {took:.1f} s to end the job"
+    assert "[kfrun] the reader of kfrun's stdout went away (EPIPE); sent SIGTERM to every worker" in err, err[-2000:]
+    assert not any(alive(pid) for pid in pids.values())
+
+
 def test_a_signal_while_kfrun_still_writes_the_output_drops_the_rest(reaper):
     """The workers are gone and nobody reads kfrun's output: Ctrl-C ends the wait, and kfrun says what it
     dropped and exits with 128+2."""

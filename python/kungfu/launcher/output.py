@@ -6,6 +6,8 @@ longer than MAX_LINE is cut into pieces, each printed as its own prefixed line, 
 kfrun buffer without bound.
 With kfrun --output-filename, each pump also copies its lines, unprefixed, to a file of its own.
 When kfrun's stdout or stderr is closed (`kfrun ... >&-`), what would go there is dropped, as mpirun does.
+When its reader goes away (`kfrun ... | head`: EPIPE), LinePrinter.reader_gone says so and the supervisor
+ends the job, as a pipeline ends a command whose reader exited, and as mpirun does.
 
 kfrun writes to its own file descriptors with write_all(): a descriptor that another process sharing it
 made non-blocking (O_NONBLOCK) is waited on until it can be written, never taken for a reader that went
@@ -108,6 +110,8 @@ class LinePrinter:
         self._err_lock = self._out_lock if self._out.same_file(self._err) else threading.Lock()
         self._notes = queue.SimpleQueue()  # its put() may be called from a signal handler
         self._closed = False
+        # "stdout" or "stderr" once a write found that stream's reader gone (EPIPE: `kfrun ... | head`)
+        self.reader_gone = None
         self._gave_up = False  # close() stopped waiting on a signal (the notes writer is blocked for good)
         self._notes_writer = threading.Thread(target=self._write_notes, name="kfrun-notes", daemon=True)
         self._notes_writer.start()
@@ -123,8 +127,11 @@ class LinePrinter:
         with lock:
             try:
                 sink.write(data)
+            except BrokenPipeError:  # our reader went away (`kfrun ... | head`): the job ends (Supervisor)
+                if self.reader_gone is None:
+                    self.reader_gone = "stderr" if to_stderr else "stdout"
             except (OSError, ValueError):
-                pass  # our reader went away (e.g. `kfrun ... | head`), or the stream is closed: keep draining
+                pass  # the stream is closed (`kfrun ... >&-`): what would go there is dropped, the job runs on
 
     def message(self, text):
         """kfrun's own note, on stderr. It never blocks: a thread of its own writes it, because kfrun's main

@@ -200,6 +200,22 @@ class Supervisor:
             "signal again to kill now)"
         )
 
+    def _end_if_reader_gone(self):
+        """The reader of kfrun's stdout or stderr went away while the job runs (`kfrun ... | head`: EPIPE).
+        As a shell pipeline ends a command whose reader exited (SIGPIPE), and as mpirun does, the job ends:
+        SIGTERM to every worker, SIGKILL --kill-after seconds later; kfrun exits with 128 + SIGPIPE (141)
+        unless a worker failed first. A stream closed from the start (`>&-`) is not this: the job runs on."""
+        gone = self._printer.reader_gone
+        if gone is None or self._signal is not None or self._stalled:
+            return
+        self._signal = signal.SIGPIPE  # what kfrun's exit status and _on_exit go by; the workers get SIGTERM
+        self._kill_at = time.monotonic() + self._opts.kill_after
+        for w in self._workers:
+            w.terminate()
+        self._terminate_strays()
+        self._printer.message(f"the reader of kfrun's {gone} went away (EPIPE); sent SIGTERM to every worker "
+                              f"(SIGKILL in {self._opts.kill_after:g}s)")
+
     def _start_all(self):
         for spec, env in zip(self._specs, self._envs):
             if self._signal is not None:
@@ -280,6 +296,7 @@ class Supervisor:
         pending = set(by_rank)
         first_failure = None
         while pending:
+            self._end_if_reader_gone()
             if self._check_deadlines(pending):
                 break  # shutdown() kills what is left
             self._reap_orphans()
