@@ -26,19 +26,30 @@ FakeRank ConnectFakeRank(const PeerList& peers, const HandshakeParams& hs, int s
   return f;
 }
 
-StatusOr<std::unique_ptr<Engine>> StartBesideFakeRank1(const PeerList& peers, FakeRank* fake1,
+StatusOr<std::unique_ptr<Engine>> StartBesideFakeRanks(const PeerList& peers, std::vector<FakeRank>* fakes,
                                                        const std::function<void(EngineConfig&)>& tweak) {
   HandshakeParams hs;
   hs.token = "test-token";
   hs.peers = &peers;
-  std::thread fake([&] { *fake1 = ConnectFakeRank(peers, hs, 1); });
+  fakes->clear();
+  fakes->resize(peers.size());
+  std::vector<std::thread> threads;
+  for (int r = 1; r < peers.size(); ++r) threads.emplace_back([&, r] { (*fakes)[r] = ConnectFakeRank(peers, hs, r); });
   EngineConfig c;
   c.peers = peers;
   c.token = "test-token";
   c.timeout_seconds = 20;
   if (tweak) tweak(c);
   auto engine = Engine::Start(c);
-  fake.join();
+  for (auto& t : threads) t.join();
+  return engine;
+}
+
+StatusOr<std::unique_ptr<Engine>> StartBesideFakeRank1(const PeerList& peers, FakeRank* fake1,
+                                                       const std::function<void(EngineConfig&)>& tweak) {
+  std::vector<FakeRank> fakes;
+  auto engine = StartBesideFakeRanks(peers, &fakes, tweak);
+  *fake1 = std::move(fakes.at(1));
   return engine;
 }
 

@@ -24,8 +24,12 @@ struct FakeRank {
 // Plays rank `self` of `peers`: accepts rank 0's connection on its port and connects to rank 0.
 FakeRank ConnectFakeRank(const PeerList& peers, const HandshakeParams& hs, int self);
 
-// Rank 0 of `peers` (2), a real engine with a 20 s timeout (tweak, if set, edits its config), and a
-// fake rank 1 connected to it (*fake1).
+// Rank 0 of `peers`, a real engine with a 20 s timeout (tweak, if set, edits its config), and fake
+// ranks 1 .. n-1 connected to it: (*fakes)[r] for rank r ((*fakes)[0] stays empty).
+StatusOr<std::unique_ptr<Engine>> StartBesideFakeRanks(const PeerList& peers, std::vector<FakeRank>* fakes,
+                                                       const std::function<void(EngineConfig&)>& tweak = {});
+
+// The same with 2 peers: fake rank 1 is *fake1.
 StatusOr<std::unique_ptr<Engine>> StartBesideFakeRank1(const PeerList& peers, FakeRank* fake1,
                                                        const std::function<void(EngineConfig&)>& tweak = {});
 

@@ -26,6 +26,7 @@ using testing::ConnectFakeRank;
 using testing::EncodeFrame;
 using testing::FakeRank;
 using testing::StartBesideFakeRank1;
+using testing::StartBesideFakeRanks;
 using testing::Waiter;
 
 // A peer that leaves cleanly closes both its connections, and across two TCP streams the close of the
@@ -105,20 +106,8 @@ TEST(Leave, FinalizingNoticeFailsExactlyTheCollectivesThePeerNeverStarted) {
 // at each frame's end, both used to be taken (128 KiB) and "p" then succeeded.
 TEST(Errors, FramesArrivingTogetherShareThePendingBound) {
   const PeerList peers = testing::LoopbackPeers(3);
-  HandshakeParams hs;
-  hs.token = "test-token";
-  hs.peers = &peers;
-  FakeRank fakes[3];  // ranks 1 and 2
-  std::thread fake1([&] { fakes[1] = ConnectFakeRank(peers, hs, 1); });
-  std::thread fake2([&] { fakes[2] = ConnectFakeRank(peers, hs, 2); });
-  EngineConfig c;
-  c.peers = peers;
-  c.token = "test-token";
-  c.timeout_seconds = 20;
-  c.max_pending_bytes = 96 << 10;
-  auto engine = Engine::Start(c);
-  fake1.join();
-  fake2.join();
+  std::vector<FakeRank> fakes;  // ranks 1 and 2
+  auto engine = StartBesideFakeRanks(peers, &fakes, [](EngineConfig& c) { c.max_pending_bytes = 96 << 10; });
   ASSERT_OK(engine.status());
   const int64_t count = 16 << 10;  // 64 KiB of float32: a star allreduce on 3 workers
   FrameHeader h;
@@ -147,6 +136,36 @@ TEST(Errors, FramesArrivingTogetherShareThePendingBound) {
   EXPECT_TRUE(s.message().find("KUNGFU_MAX_PENDING_BYTES") != std::string::npos);
 }
 
+// Writes `frames` to rank 0, then a one-element data frame: once rank 0 has counted that frame's payload
+// as received (bytes_received reaches want_received), it has read all of `frames` before it.
+void SendThenAwaitRead(const FakeRank& fake, Engine& engine, std::vector<uint8_t> frames, int64_t want_received) {
+  FrameHeader d;
+  d.kind = FrameKind::kData;
+  d.algo = Algo::kAllReduceDoubling;
+  d.dtype = static_cast<uint8_t>(DType::kFloat32);
+  d.aux = static_cast<uint32_t>(ReduceOp::kSum);
+  d.count = 1;
+  d.payload_bytes = sizeof(float);
+  const std::vector<uint8_t> marker = EncodeFrame(d, "marker" + std::to_string(want_received));
+  frames.insert(frames.end(), marker.begin(), marker.end());
+  ASSERT_OK(WriteFull(fake.rank0_reads.get(), frames.data(), frames.size(), DeadlineAfter(10)));
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (engine.stats().bytes_received < want_received && std::chrono::steady_clock::now() < give_up) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(engine.stats().bytes_received >= want_received);
+}
+
+// The frames h for names prefix + [from, to).
+std::vector<uint8_t> FramesFor(const FrameHeader& h, const std::string& prefix, int from, int to) {
+  std::vector<uint8_t> stream;
+  for (int i = from; i < to; ++i) {
+    const std::vector<uint8_t> frame = EncodeFrame(h, prefix + std::to_string(i));
+    stream.insert(stream.end(), frame.begin(), frame.end());
+  }
+  return stream;
+}
+
 // Frames with no payload (an empty tensor's piece, an abort) for collectives not started are held too,
 // so they count against max_pending_bytes with their header and name: a peer that sends them for name
 // after name cannot grow this worker's memory without bound. Here 2,000 such frames (about 136 KB)
@@ -164,21 +183,7 @@ TEST(Errors, FramesWithoutPayloadCountAgainstThePendingBound) {
   h.dtype = static_cast<uint8_t>(DType::kFloat32);
   h.aux = static_cast<uint32_t>(ReduceOp::kSum);
   h.cluster_version = peers.version();
-  std::vector<uint8_t> stream;
-  for (int i = 0; i < 2000; ++i) {
-    const std::vector<uint8_t> frame = EncodeFrame(h, "e" + std::to_string(i));
-    stream.insert(stream.end(), frame.begin(), frame.end());
-  }
-  h.count = 1;  // then one with a payload: once it is counted as received, all of the above were read
-  h.payload_bytes = sizeof(float);
-  const std::vector<uint8_t> marker = EncodeFrame(h, "marker");
-  stream.insert(stream.end(), marker.begin(), marker.end());
-  ASSERT_OK(WriteFull(fake.rank0_reads.get(), stream.data(), stream.size(), DeadlineAfter(10)));
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (engine.value()->stats().bytes_received < 4 && std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_TRUE(engine.value()->stats().bytes_received >= 4);
+  SendThenAwaitRead(fake, *engine.value(), FramesFor(h, "e", 0, 2000), 4);
   for (const char* name : {"e0", "e1999"}) {
     Waiter w;
     engine.value()->AllReduce(nullptr, nullptr, 0, DType::kFloat32, ReduceOp::kSum, name, w.Callback());
@@ -192,22 +197,7 @@ TEST(Errors, FramesWithoutPayloadCountAgainstThePendingBound) {
   }
   // Past the bound, the marks that make those collectives fail count too, up to 1 MiB more (about 4,000
   // here); frames beyond that are dropped. The frames held first still serve their collectives.
-  stream.clear();
-  h.count = 0;
-  h.payload_bytes = 0;
-  for (int i = 2000; i < 8000; ++i) {
-    const std::vector<uint8_t> frame = EncodeFrame(h, "e" + std::to_string(i));
-    stream.insert(stream.end(), frame.begin(), frame.end());
-  }
-  h.count = 1;
-  h.payload_bytes = sizeof(float);
-  const std::vector<uint8_t> marker2 = EncodeFrame(h, "marker2");
-  stream.insert(stream.end(), marker2.begin(), marker2.end());
-  ASSERT_OK(WriteFull(fake.rank0_reads.get(), stream.data(), stream.size(), DeadlineAfter(10)));
-  while (engine.value()->stats().bytes_received < 8 && std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_TRUE(engine.value()->stats().bytes_received >= 8);
+  SendThenAwaitRead(fake, *engine.value(), FramesFor(h, "e", 2000, 8000), 8);
   Waiter w;
   engine.value()->AllReduce(nullptr, nullptr, 0, DType::kFloat32, ReduceOp::kSum, "e1", w.Callback());
   EXPECT_OK(w.Wait());
@@ -227,27 +217,7 @@ TEST(Errors, AbortsForCollectivesNotStartedCountAgainstThePendingBound) {
   h.tag = static_cast<uint32_t>(Code::kInternal);
   h.cluster_version = peers.version();
   h.payload_bytes = kMaxAbortBytes;
-  std::vector<uint8_t> stream;
-  for (int i = 0; i < 200; ++i) {
-    const std::vector<uint8_t> frame = EncodeFrame(h, "a" + std::to_string(i));
-    stream.insert(stream.end(), frame.begin(), frame.end());
-  }
-  FrameHeader d;  // then a data frame: once it is counted as received, all of the above were read
-  d.kind = FrameKind::kData;
-  d.algo = Algo::kAllReduceDoubling;
-  d.dtype = static_cast<uint8_t>(DType::kFloat32);
-  d.aux = static_cast<uint32_t>(ReduceOp::kSum);
-  d.cluster_version = peers.version();
-  d.count = 1;
-  d.payload_bytes = sizeof(float);
-  const std::vector<uint8_t> marker = EncodeFrame(d, "marker");
-  stream.insert(stream.end(), marker.begin(), marker.end());
-  ASSERT_OK(WriteFull(fake.rank0_reads.get(), stream.data(), stream.size(), DeadlineAfter(10)));
-  const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  while (engine.value()->stats().bytes_received < 4 && std::chrono::steady_clock::now() < give_up) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ASSERT_TRUE(engine.value()->stats().bytes_received >= 4);
+  SendThenAwaitRead(fake, *engine.value(), FramesFor(h, "a", 0, 200), 4);
   for (const char* name : {"a0", "a199"}) {
     Waiter w;
     engine.value()->AllReduce(nullptr, nullptr, 0, DType::kFloat32, ReduceOp::kSum, name, w.Callback());

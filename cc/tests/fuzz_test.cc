@@ -800,20 +800,19 @@ TEST(Fuzz, APieceSentTwiceIsNotTheMissingOne) {
   piece(ring, 1, 384, 116, "ring");
   // A broadcast of 256 float32 from rank 1: piece 0 twice, then the commit.
   const FrameHeader bcast = shape(Algo::kBroadcastStar, DType::kFloat32, 256, 1);
+  auto commit = [&](FrameHeader h, const std::string& name) {  // the root's commit of a broadcast
+    h.kind = FrameKind::kAck;
+    h.tag = 1;
+    wire.push_back(Frame(h, name));
+  };
   piece(bcast, 0, 0, 128, "bcast");
   piece(bcast, 0, 0, 128, "bcast");
-  FrameHeader commit = bcast;
-  commit.kind = FrameKind::kAck;
-  commit.tag = 1;
-  wire.push_back(Frame(commit, "bcast"));
+  commit(bcast, "bcast");
   // An empty broadcast from rank 1: its one frame twice, then the commit.
   const FrameHeader empty = shape(Algo::kBroadcastStar, DType::kFloat32, 0, 1);
   piece(empty, 0, 0, 0, "bempty");
   piece(empty, 0, 0, 0, "bempty");
-  FrameHeader empty_commit = empty;
-  empty_commit.kind = FrameKind::kAck;
-  empty_commit.tag = 1;
-  wire.push_back(Frame(empty_commit, "bempty"));
+  commit(empty, "bempty");
   // An all-gather of 5 + 256 int32: rank 1's first piece twice.
   const FrameHeader gather = shape(Algo::kAllGather, DType::kInt32, 261, 256);
   piece(gather, 0, 5, 128, "gather");
@@ -848,19 +847,8 @@ TEST(Fuzz, APieceSentTwiceIsNotTheMissingOne) {
 // before that one has the data. Rank 0 is the root of 3, fake rank 1 acknowledges twice, fake rank 2 never.
 TEST(Fuzz, AnAcknowledgementSentTwiceIsNotAnotherWorkers) {
   const PeerList peers = testing::LoopbackPeers(3);
-  HandshakeParams hs;
-  hs.token = "test-token";
-  hs.peers = &peers;
-  FakeRank fakes[3];  // ranks 1 and 2
-  std::thread fake1([&] { fakes[1] = testing::ConnectFakeRank(peers, hs, 1); });
-  std::thread fake2([&] { fakes[2] = testing::ConnectFakeRank(peers, hs, 2); });
-  EngineConfig c;
-  c.peers = peers;
-  c.token = "test-token";
-  c.timeout_seconds = 5;
-  auto engine = Engine::Start(c);
-  fake1.join();
-  fake2.join();
+  std::vector<FakeRank> fakes;  // ranks 1 and 2
+  auto engine = testing::StartBesideFakeRanks(peers, &fakes, [](EngineConfig& c) { c.timeout_seconds = 5; });
   ASSERT_OK(engine.status());
   ASSERT_TRUE(fakes[1].rank0_reads.valid());
   std::vector<float> buf(16, 1.f);

@@ -179,12 +179,11 @@ Status ClientHandshake(int fd, const HandshakeParams& params, int self_rank, con
 
 static_assert(kChallengeBytes == 64, "ServerHandshaker::challenge_ holds a CHALLENGE");
 
+ServerHandshaker::ServerHandshaker(const HandshakeParams& params)
+    : params_(params), buf_(kHelloHeadBytes), want_(kHelloHeadBytes) {}
+
 Status ServerHandshaker::Advance(int fd, bool* done) {
   *done = false;
-  if (want_ == 0) {  // the first call
-    want_ = kHelloHeadBytes;
-    buf_.resize(want_);
-  }
   for (;;) {
     size_t got = 0;
     RETURN_IF_ERROR(ReadSome(fd, buf_.data() + have_, want_ - have_, &got));

@@ -43,7 +43,7 @@ Status ClientHandshake(int fd, const HandshakeParams& params, int self_rank, con
 // the answers (64 bytes, then 1) go out with MSG_DONTWAIT and always fit a fresh socket's buffer.
 class ServerHandshaker {
  public:
-  explicit ServerHandshaker(const HandshakeParams& params) : params_(params) {}
+  explicit ServerHandshaker(const HandshakeParams& params);
   // OK with *done false: wants more bytes (poll fd for POLLIN); OK with *done true: accepted, rank() is
   // the authenticated peer's. An error (PermissionDenied, InvalidArgument, Unavailable) means refused or
   // broken: the client was told why where possible; close fd. Not called again after done or an error.
