@@ -5,7 +5,7 @@
 // Threading: the engine's loop thread records each finished op (one mutex, taken once per op, and a
 // hash lookup of the name: no allocation once a name is known); any thread may take a snapshot. The
 // table holds at most max_names names; later names are counted together under kOtherName, so names
-// made fresh for every call (eager collectives without name=) cannot grow it without bound.
+// made fresh for every call (a name with the step in it) cannot grow it without bound.
 #pragma once
 
 #include <cstdint>

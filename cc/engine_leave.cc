@@ -8,8 +8,8 @@
 namespace kungfu {
 
 namespace {
-// The counts by name are sent only up to this size (an unnamed eager collective makes a key per call: a
-// long run of them could make tens of MB); past it the peers judge from the total alone.
+// The counts by name are sent only up to this size (a program that makes a fresh name per call, e.g. with
+// the step in it, could make tens of MB of them); past it the peers judge from the total alone.
 constexpr size_t kMaxStartedByNameBytes = size_t{8} << 20;
 
 // The BYE or FINALIZING frame to one peer: the total in its header, the counts by name as its payload

@@ -25,7 +25,13 @@ int64_t HeldCost(const FrameHeader& h, const std::string& name) {
 }
 }  // namespace
 
-std::string Engine::Impl::Describe(const Op& op) const { return std::string(op.kind()) + " '" + op.name() + "'"; }
+// "allreduce 'grads'", and from a name's second call on which call it is ("allreduce 'loss' (call 18)"): a
+// key that recurs every step, an unnamed eager collective's included, says how far this worker got.
+std::string Engine::Impl::Describe(const Op& op) const {
+  std::string what = std::string(op.kind()) + " '" + op.name() + "'";
+  if (op.generation > 0) what += " (call " + std::to_string(op.generation + 1) + ")";
+  return what;
+}
 
 void Engine::Impl::StartOp(std::unique_ptr<Op> op) {
   if (stopping_) {  // submitted as shutdown began; may run on the thread that stopped the loop

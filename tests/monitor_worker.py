@@ -221,6 +221,9 @@ def interval_runs_every_k_steps_without_retrace():
         raise AssertionError(f"the step was traced {len(traces) - first} more times after its first call")
 
 
+UNNAMED_CALLS = 40
+
+
 @CHECKS.append
 def collective_stats_count_each_collective():
     opt, step, batches, _ = setup()
@@ -229,7 +232,17 @@ def collective_stats_count_each_collective():
         step(x, y)
     for _ in range(2):
         kungfu.all_reduce(tf.ones([1000]), name="stats/named")
+    # Unnamed eager calls share one key, told apart by the engine's count of its calls: a loop of them
+    # is one row here (not a row, and an engine entry, per call) and each call still meets its own.
+    size = kungfu.size()
+    for i in range(UNNAMED_CALLS):
+        got = kungfu.all_reduce(tf.fill([3], float(kungfu.rank() + i))).numpy()
+        if not np.all(got == size * i + size * (size - 1) / 2):
+            raise AssertionError(f"unnamed eager all_reduce {i}: {got}")
     stats = kungfu.monitor.collective_stats()
+    unnamed = [k for k in stats if k.startswith("eager/all_reduce")]
+    if unnamed != ["eager/all_reduce"] or stats["eager/all_reduce"]["calls"] != UNNAMED_CALLS:
+        raise AssertionError(f"unnamed eager all_reduces counted as {({k: stats[k]['calls'] for k in unnamed})}")
     named = stats.get("stats/named", {})
     if named.get("calls") != 2 or not named["bytes_received"] >= 2 * 4000 or not named["mean_ms"] > 0:
         raise AssertionError(f"stats/named: {named}")

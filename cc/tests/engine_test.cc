@@ -290,9 +290,14 @@ TEST(Errors, CountMismatchIsInvalidArgumentEverywhere) {
       std::vector<float> buf(r == 2 ? 101 : 100, 1.f);
       Status s = engines[r]->AllReduceSync(buf.data(), buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum, "m");
       EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
+      EXPECT_CONTAINS(s.message(), "allreduce 'm': ");
       // The same name works again afterwards with agreeing shapes.
       std::vector<float> ok(10, 1.f);
-      EXPECT_OK(engines[r]->AllReduceSync(ok.data(), ok.data(), ok.size(), DType::kFloat32, ReduceOp::kSum, "m2"));
+      EXPECT_OK(engines[r]->AllReduceSync(ok.data(), ok.data(), ok.size(), DType::kFloat32, ReduceOp::kSum, "m"));
+      // From a name's second call on, errors say which call of it failed.
+      s = engines[r]->AllReduceSync(buf.data(), buf.data(), buf.size(), DType::kFloat32, ReduceOp::kSum, "m");
+      EXPECT_EQ(CodeName(s.code()), CodeName(Code::kInvalidArgument));
+      EXPECT_CONTAINS(s.message(), "allreduce 'm' (call 3): ");
     });
   }
 }

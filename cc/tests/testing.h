@@ -53,6 +53,10 @@ struct AssertionAbort {};  // thrown by ASSERT_* to stop the current test
 #define ASSERT_EQ(a, b)                                                                \
   KF_CHECK_IMPL((a) == (b), "expected " #a " == " #b ", got " << (a) << " vs " << (b), \
                 throw ::kungfu::testing::AssertionAbort())
+// text (a std::string) holds part; on failure, says what text was.
+#define EXPECT_CONTAINS(text, part)                                                                  \
+  KF_CHECK_IMPL((text).find(part) != std::string::npos,                                              \
+                "expected " #text " to contain \"" << (part) << "\", got \"" << (text) << "\"", (void)0)
 #define EXPECT_OK(s)                                                                   \
   do {                                                                                 \
     auto kf_s_ = (s);                                                                  \

@@ -3,11 +3,13 @@
 Keys. The engine matches a collective on one worker with the same collective on the others by key
 (and by how many times each worker has started that key). A key is the `name` the caller passes,
 or else derived deterministically:
-  - eagerly: "eager/<op>/<n>", n counting this process's eager calls of that op type from 0; inside
-    key_scope(s), "eager/s/<op>/<n>", counted apart (the distributed optimizers run each strategy's
-    collectives in its own, so workers on different strategies never pair up). TF's name scopes are
-    left out on purpose: Keras's hold per-process automatic names ("dense_1"), which differ between
-    workers as soon as one builds a model more;
+  - eagerly: "eager/<op>" for each op type ("eager/all_reduce", ...); inside key_scope(s),
+    "eager/s/<op>" (the distributed optimizers run each strategy's collectives in its own, so workers on
+    different strategies never pair up). The engine's count of calls per key tells the calls apart, so
+    the nth unnamed eager all_reduce on one worker meets the nth on the others, and a loop of them adds
+    nothing to what the engine remembers per key. TF's name scopes are left out on purpose: Keras's hold
+    per-process automatic names ("dense_1"), which differ between workers as soon as one builds a
+    model more;
   - inside tf.function: "<function>/<unique name>", the tf.function's graph name (its Python name)
     and the op's unique name in that graph, e.g. "train_step/all_reduce_2" or, in a loop body,
     "train_step/while/all_reduce". Control-flow bodies (while, cond, switch_case) are graphs with
@@ -15,8 +17,9 @@ or else derived deterministically:
     and the body's unique name, which already carries the loop's or cond's name scope.
 Derived keys agree across workers only while every worker runs the same collectives in the same
 program order: rank-dependent Python control flow (an extra eager collective on rank 0, a
-collective traced only on some ranks) shifts the eager counters or the graph's unique names, and
-the workers then wait on different keys until the timeout. Pass `name=` to such collectives.
+collective traced only on some ranks) shifts the eager calls' counts or the graph's unique names:
+later calls meet the wrong calls elsewhere (failing when their shapes differ) and the last waits until
+the timeout. Pass `name=` to such collectives.
 
 Tokens. Every collective op takes a resource input, the token (see kf_ops/collective_ops.cc). TF's
 automatic control dependencies order stateful ops that share a resource tensor and run stateful
@@ -58,12 +61,11 @@ except ImportError:  # a TF without it: the raw XLA error stands (tests/test_ops
 CONTROL_FLOW_GRAPHS = frozenset({"WhileCondFuncGraph", "WhileBodyFuncGraph", "CondBranchFuncGraph"})
 
 _lock = threading.Lock()
-_eager_counts = collections.Counter()  # "<key scope>/<op>" (or op type) -> eager calls so far
 _key_scopes = threading.local()  # .scope: the key scopes entered on this thread, joined by "/"
 _numbered_keys = weakref.WeakKeyDictionary()  # tf.function graph -> Counter of numbered() keys
 _explicit_names = weakref.WeakKeyDictionary()  # tf.function graph -> {explicit name: [_arms of each use]}
 _token_variable = None  # eager calls' token, created on first use
-_eager_keys = {}  # explicit name -> its key as an eager string tensor
+_eager_keys = {}  # key -> the key as an eager string tensor
 _MAX_EAGER_KEYS = 4096  # past this many distinct names the cache starts over
 
 
@@ -85,11 +87,7 @@ def collective_key(op, name, eager=None):
         if name is not None:
             return name
         scope = getattr(_key_scopes, "scope", "")
-        what = f"{scope}/{op}" if scope else op
-        with _lock:
-            n = _eager_counts[what]
-            _eager_counts[what] += 1
-        return f"eager/{what}/{n}"
+        return f"eager/{scope}/{op}" if scope else f"eager/{op}"
     graph = tf.compat.v1.get_default_graph()
     refuse_xla(graph, op)
     if name is not None:
@@ -100,8 +98,8 @@ def collective_key(op, name, eager=None):
 
 @contextlib.contextmanager
 def key_scope(name):
-    """Derived eager keys inside it are "eager/<name>/<op>/<n>", counted apart from the others (nested:
-    names joined by "/"). Fixed names only: a name that differs between workers gives keys that do."""
+    """Derived eager keys inside it are "eager/<name>/<op>", apart from the others (nested: names joined
+    by "/"). Fixed names only: a name that differs between workers gives keys that do."""
     outer = getattr(_key_scopes, "scope", "")
     _key_scopes.scope = f"{outer}/{name}" if outer else name
     try:
@@ -138,9 +136,7 @@ def key_tensor(op, name, eager=None):
     if not eager:
         return key
     # Eagerly, a tensor (not a str) keeps the op on TF's fast path: about 100 us less per call. Making
-    # the tensor costs about 50 us itself, so those of explicit names (reused every step) are kept.
-    if name is None:
-        return tf.constant(key)
+    # the tensor costs about 50 us itself, so they are kept: keys, derived ones included, recur every step.
     t = _eager_keys.get(key)  # one dict read is atomic; the lock guards the check-and-clear below
     if t is None:
         t = tf.constant(key)
