@@ -351,10 +351,12 @@ def test_a_compiled_schedule_applies_its_entry_0_before_the_first_step():
     assert used == [0.5, 0.5, 0.25] and len(lrs) == 1
 
     # A batch size in entry 0 governs the first batch the loop pulls, which comes before the step's first call.
-    # (A new optimizer: steps count from this one's iterations, and opt has taken 3.)
+    # (A new optimizer: steps count from this one's iterations, and opt has taken 3. And a new step function:
+    # train_step's trace for 16 rows holds the first optimizer, which it would go on updating, until that
+    # one is collected and the trace's variables with it.)
     opt = keras.optimizers.SGD(0.1)
     ds = kungfu.data.AdaptiveDataset((np.tile(x, (4, 1)), np.tile(y, (4, 1))), global_batch_size=8)
-    step = kungfu.rewrite(train_step, policies=[kp.scheduled({0: {"batch_size": 16}, 2: {"batch_size": 32}})],
+    step = kungfu.rewrite(step_fn(model, opt), policies=[kp.scheduled({0: {"batch_size": 16}, 2: {"batch_size": 32}})],
                           optimizer=opt, dataset=ds)
     sizes = []
     for bx, by in ds.as_dataset():
