@@ -151,7 +151,7 @@ test: deps
 	@$(SUBMAKE) build
 	@$(SUBMAKE) cc-test
 	@$(SUBMAKE) bazel-build bazel-test
-	@$(PYTHON) -m pytest -q tests; rc=$$?; \
+	@$(PYTHON) -m pytest -q --durations=15 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests under tests/" >&2; fi; exit $$rc
 
 demo: deps
