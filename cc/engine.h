@@ -48,6 +48,11 @@ struct EngineConfig {
   bool caller_drives = true;  // RunAndWait() runs the loop on the waiting thread (KUNGFU_CALLER_DRIVES)
 };
 
+// The engine keeps, for the whole run, how many times each collective name was started (about 150 bytes
+// a name). When the names reach this many, and ten times as many again, it warns once: a program that
+// makes a fresh name per call (the step number in it) grows that without bound.
+constexpr size_t kManyNames = 100000;
+
 // Counters for tests and benchmarks; read with Engine::stats().
 struct EngineStats {
   int64_t started = 0;         // collectives started

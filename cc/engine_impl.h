@@ -152,7 +152,8 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   std::optional<Deadline> poison_logged_at_;  // Poison's last warning, and how many were not said since
   int64_t poisons_unlogged_ = 0;
   std::unordered_map<int, int64_t> receiving_;
-  std::unordered_map<std::string, uint64_t> next_gen_;
+  std::unordered_map<std::string, uint64_t> next_gen_;  // by name: how many times this worker started it
+  size_t names_warn_at_ = kManyNames;  // next_gen_'s size at which to warn of names made per call (x10 each time)
   std::vector<Status> dead_;  // by rank: why a peer is gone (OK while alive)
   std::vector<bool> left_;    // by rank: the peer said goodbye (it is in dead_ too)
   // By rank: how many collectives the peer started before it began to finalize (kFinalizing), or -1.

@@ -13,6 +13,8 @@
 #include <set>
 #include <string>
 
+#include <unistd.h>
+
 #include "cc/engine.h"
 #include "cc/tests/cluster.h"
 #include "cc/tests/testing.h"
@@ -300,6 +302,57 @@ TEST(Errors, CountMismatchIsInvalidArgumentEverywhere) {
       EXPECT_CONTAINS(s.message(), "allreduce 'm' (call 3): ");
     });
   }
+}
+
+// Runs body with this process's stderr going to a temporary file; returns what was written there.
+std::string CaptureStderr(const std::function<void()>& body) {
+  const std::string path = std::filesystem::temp_directory_path() / ("kf_stderr_" + std::to_string(::getpid()));
+  std::fflush(stderr);
+  const int saved = ::dup(2);
+  FILE* f = std::fopen(path.c_str(), "w");
+  ::dup2(::fileno(f), 2);
+  try {
+    body();
+  } catch (...) {
+    std::fflush(stderr);
+    ::dup2(saved, 2);
+    ::close(saved);
+    std::fclose(f);
+    std::filesystem::remove(path);
+    throw;
+  }
+  std::fflush(stderr);
+  ::dup2(saved, 2);
+  ::close(saved);
+  std::fclose(f);
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::filesystem::remove(path);
+  return text;
+}
+
+size_t Occurrences(const std::string& text, const std::string& part) {
+  size_t n = 0;
+  for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
+  return n;
+}
+
+// The engine counts each name's calls for the whole run; a program that makes a name per call grows that
+// count table without bound, so it is told once the names reach kManyNames (and not at every name after).
+TEST(Names, ManyDistinctNamesWarnOnce) {
+  auto engines = StartCluster(1);
+  float x = 1;
+  const std::string text = CaptureStderr([&] {
+    for (size_t i = 0; i < kManyNames + 1000; ++i) {
+      ASSERT_OK(engines[0]->AllReduceSync(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "step/" + std::to_string(i)));
+    }
+    for (int i = 0; i < 1000; ++i) {  // a recurring name adds nothing
+      ASSERT_OK(engines[0]->AllReduceSync(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "loss"));
+    }
+  });
+  EXPECT_EQ(Occurrences(text, "distinct collective names so far"), size_t{1});
+  EXPECT_CONTAINS(text, std::to_string(kManyNames) + " distinct collective names so far, the latest 'step/" +
+                            std::to_string(kManyNames - 1) + "'");
 }
 
 // Arguments a peer would refuse on the wire fail the call alone, at once: before, a peer refused the
