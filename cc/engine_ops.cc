@@ -43,10 +43,11 @@ void Engine::Impl::StartOp(std::unique_ptr<Op> op) {
   const auto [count, fresh] = next_gen_.try_emplace(op->name(), 0);
   op->generation = count->second++;
   if (fresh && next_gen_.size() >= names_warn_at_) {
-    KF_LOG(Warning) << "rank " << rank() << ": " << next_gen_.size() << " distinct collective names so far, the latest '"
-                    << op->name() << "': the engine keeps a count of each name's calls for the whole run, so names "
-                    << "made fresh per call (with the step number in them, say) grow its memory without bound; give a "
-                    << "collective that recurs the same name each time (its calls are told apart by that count)";
+    KF_LOG(Warning) << "rank " << rank() << ": " << next_gen_.size()
+                    << " distinct collective names so far, the latest '" << op->name()
+                    << "': the engine keeps a count of each name's calls for the whole run, so names made fresh per "
+                    << "call (with the step number in them, say) grow its memory without bound; give a collective "
+                    << "that recurs the same name each time (its calls are told apart by that count)";
     names_warn_at_ *= 10;
   }
   const Key key(op->name(), op->generation);
