@@ -19,7 +19,8 @@ model on its own random data with SynchronousSGDOptimizer(monitor=[...]):
   steps 0, 3, 6, ..., a batch size change included, and the step is traced once;
 - collective_stats_count_each_collective: kungfu.monitor.collective_stats() counts each collective of
   the step (the wrapper's gradient bucket among them) once per step, with the bytes and latency of
-  each, and a named all-reduce under its name; the bytes sent by all workers equal those received.
+  each, a named all-reduce under its name and a loop of unnamed eager ones in one row (each with its
+  exact value); the bytes sent by all workers equal those received.
 """
 
 import mp
