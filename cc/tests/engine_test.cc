@@ -13,8 +13,6 @@
 #include <set>
 #include <string>
 
-#include <unistd.h>
-
 #include "cc/engine.h"
 #include "cc/tests/cluster.h"
 #include "cc/tests/testing.h"
@@ -304,33 +302,6 @@ TEST(Errors, CountMismatchIsInvalidArgumentEverywhere) {
   }
 }
 
-// Runs body with this process's stderr going to a temporary file; returns what was written there.
-std::string CaptureStderr(const std::function<void()>& body) {
-  const std::string path = std::filesystem::temp_directory_path() / ("kf_stderr_" + std::to_string(::getpid()));
-  std::fflush(stderr);
-  const int saved = ::dup(2);
-  FILE* f = std::fopen(path.c_str(), "w");
-  ::dup2(::fileno(f), 2);
-  try {
-    body();
-  } catch (...) {
-    std::fflush(stderr);
-    ::dup2(saved, 2);
-    ::close(saved);
-    std::fclose(f);
-    std::filesystem::remove(path);
-    throw;
-  }
-  std::fflush(stderr);
-  ::dup2(saved, 2);
-  ::close(saved);
-  std::fclose(f);
-  std::ifstream in(path);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::filesystem::remove(path);
-  return text;
-}
-
 size_t Occurrences(const std::string& text, const std::string& part) {
   size_t n = 0;
   for (size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1)) ++n;
@@ -342,7 +313,7 @@ size_t Occurrences(const std::string& text, const std::string& part) {
 TEST(Names, ManyDistinctNamesWarnOnce) {
   auto engines = StartCluster(1);
   float x = 1;
-  const std::string text = CaptureStderr([&] {
+  const std::string text = testing::CaptureStderr([&] {
     for (size_t i = 0; i < kManyNames + 1000; ++i) {
       ASSERT_OK(engines[0]->AllReduceSync(&x, &x, 1, DType::kFloat32, ReduceOp::kSum, "step/" + std::to_string(i)));
     }

@@ -25,6 +25,10 @@ struct Registrar {
 
 struct AssertionAbort {};  // thrown by ASSERT_* to stop the current test
 
+// Runs body with this process's stderr (fd 2) going to a temporary file, and returns what was written
+// there. If body throws (an ASSERT_*), what it wrote, failures included, goes on to the real stderr.
+std::string CaptureStderr(const std::function<void()>& body);
+
 }  // namespace kungfu::testing
 
 #define KF_TEST_CONCAT_(a, b) a##b

@@ -2,6 +2,8 @@
 #include <chrono>
 #include <cstring>
 
+#include <unistd.h>
+
 #include "cc/tests/testing.h"
 
 namespace kungfu::testing {
@@ -18,6 +20,37 @@ std::atomic<int> g_failures_in_test{0};  // rank threads (RunRanks) fail checks 
 void Fail(const char* file, int line, const std::string& what) {
   ++g_failures_in_test;
   std::fprintf(stderr, "  %s:%d: %s\n", file, line, what.c_str());
+}
+
+std::string CaptureStderr(const std::function<void()>& body) {
+  char path[] = "/tmp/kf_stderr_XXXXXX";
+  const int file = ::mkstemp(path);
+  if (file < 0) {
+    Fail(__FILE__, __LINE__, "CaptureStderr: mkstemp failed");
+    return "";
+  }
+  ::unlink(path);
+  std::fflush(stderr);
+  const int saved = ::dup(2);
+  ::dup2(file, 2);
+  auto restore = [&] {
+    std::fflush(stderr);
+    ::dup2(saved, 2);
+    ::close(saved);
+    std::string text;
+    char buf[4096];
+    ::lseek(file, 0, SEEK_SET);
+    for (ssize_t n; (n = ::read(file, buf, sizeof buf)) > 0;) text.append(buf, static_cast<size_t>(n));
+    ::close(file);
+    return text;
+  };
+  try {
+    body();
+  } catch (...) {
+    std::fputs(restore().c_str(), stderr);
+    throw;
+  }
+  return restore();
 }
 
 }  // namespace kungfu::testing

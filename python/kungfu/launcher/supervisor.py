@@ -191,14 +191,19 @@ class Supervisor:
             self._kill_at = now
             return
         self._signal = signum
-        self._kill_at = now + self._opts.kill_after
-        for w in self._workers:
-            w.signal(signum)
-        self._terminate_strays()
+        self._terminate(self._workers, signum)
         self._printer.message(
             f"got {name}; forwarded it to every worker (SIGKILL in {self._opts.kill_after:g}s; "
             "signal again to kill now)"
         )
+
+    def _terminate(self, workers, signum=signal.SIGTERM):
+        """Sends signum to workers (forwarded to a local worker's group) and SIGTERM to the strays; whatever
+        is left gets SIGKILL --kill-after seconds from now."""
+        for w in workers:
+            w.signal(signum)
+        self._terminate_strays()
+        self._kill_at = time.monotonic() + self._opts.kill_after
 
     def _end_if_reader_gone(self):
         """The reader of kfrun's stdout or stderr went away while the job runs (`kfrun ... | head`: EPIPE).
@@ -209,10 +214,7 @@ class Supervisor:
         if gone is None or self._signal is not None or self._stalled:
             return
         self._signal = signal.SIGPIPE  # what kfrun's exit status and _on_exit go by; the workers get SIGTERM
-        self._kill_at = time.monotonic() + self._opts.kill_after
-        for w in self._workers:
-            w.terminate()
-        self._terminate_strays()
+        self._terminate(self._workers)
         self._printer.message(f"the reader of kfrun's {gone} went away (EPIPE); sent SIGTERM to every worker "
                               f"(SIGKILL in {self._opts.kill_after:g}s)")
 
@@ -271,11 +273,7 @@ class Supervisor:
             f"too); sending SIGTERM (SIGKILL in {o.kill_after:g}s); the job exits with {STALLED}. If work that "
             "only some ranks do at the end (e.g. rank 0 saving the model) legitimately takes that long, "
             "raise --timeout")
-        for w in self._workers:
-            if w.spec.rank in pending:
-                w.terminate()
-        self._terminate_strays()
-        self._kill_at = now + o.kill_after
+        self._terminate([w for w in self._workers if w.spec.rank in pending])
 
     def _check_deadlines(self, pending):
         now = time.monotonic()
@@ -284,11 +282,7 @@ class Supervisor:
             self._term_at = None
             names = ", ".join(str(r) for r in sorted(pending))
             self._printer.message(f"grace period over; sending SIGTERM to worker(s) {names}")
-            for w in self._workers:
-                if w.spec.rank in pending:
-                    w.terminate()
-            self._terminate_strays()
-            self._kill_at = now + self._opts.kill_after
+            self._terminate([w for w in self._workers if w.spec.rank in pending])
         return self._kill_at is not None and now >= self._kill_at
 
     def _wait(self):
