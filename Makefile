@@ -72,9 +72,12 @@ CC_TEST_OBJS := $(patsubst %.cc,build/cc/obj/%.o,$(CC_TEST_SRCS))
 CC_TEST_BIN := build/cc/kungfu_cc_tests
 CC_TEST_FLAGS := -std=c++17 -O2 -pthread -Wall -I.
 
+# Twice: as each test configures the engine (on a machine with few cores, no sender thread), then with
+# the sender thread (cc/transport/sender.h) on in every engine the tests start.
 cc-test: $(DEPS)
 	@$(SUBMAKE) -j$(NPROC) $(CC_TEST_BIN)
 	./$(CC_TEST_BIN)
+	KUNGFU_SEND_THREAD=1 ./$(CC_TEST_BIN)
 
 # Relink when the list of sources changes, not only when an object does.
 build/cc/objects.txt: FORCE
@@ -101,7 +104,8 @@ SAN_ENV_tsan := TSAN_OPTIONS=second_deadlock_stack=1
 
 cc-test-sanitize: $(DEPS)
 	@$(SUBMAKE) -j$(NPROC) $(foreach k,$(SAN_KINDS),build/cc-$(k)/kungfu_cc_tests)
-	$(foreach k,$(SAN_KINDS),$(SAN_ENV_$(k)) ./build/cc-$(k)/kungfu_cc_tests &&) true
+	$(foreach k,$(SAN_KINDS),$(SAN_ENV_$(k)) ./build/cc-$(k)/kungfu_cc_tests && \
+	  KUNGFU_SEND_THREAD=1 $(SAN_ENV_$(k)) ./build/cc-$(k)/kungfu_cc_tests &&) true
 
 define SAN_RULES
 build/cc-$(1)/objects.txt: FORCE

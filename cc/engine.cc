@@ -4,6 +4,7 @@
 
 #include <poll.h>
 #include <pthread.h>
+#include <sched.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 
@@ -63,6 +64,10 @@ Status Engine::Impl::Start() {
               [this](Clock::duration lost) { Postpone(lost); });
   loop_started_ = true;
   if (n == 1) return Status::OK();
+  if (WantSender()) {
+    // A post wakes whoever drives the loop, a parked loop thread too, to take the finished payload.
+    sender_ = std::make_unique<Sender>([this] { loop_.Post([] {}); }, config_.spin_us);
+  }
   acceptor_ = std::thread([this] { AcceptLoop(); });
   RETURN_IF_ERROR(ConnectToPeers());
   return AwaitIncoming();
@@ -72,9 +77,22 @@ Status Engine::Impl::Start() {
 bool Engine::Impl::Busy() const {
   if (!ops_.empty() || !p2p_.idle() || flushing_) return true;
   for (size_t p = 0; p < writing_.size(); ++p) {
-    if (writing_[p] || judge_at_[p]) return true;
+    if (writing_[p] || judge_at_[p] || (out_[p] && out_[p]->offloaded())) return true;
   }
   return false;
+}
+
+bool Engine::Impl::WantSender() const {
+  if (config_.send_thread >= 0) return config_.send_thread == 1;
+  // Auto: two cores for each worker on this host (one for its loop, one for its sender), counting the
+  // cores this process may run on (taskset, a container's cpuset), not the machine's.
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0) return false;
+  const std::string& host = config_.peers.at(config_.rank).host;
+  int local = 0;
+  for (int p = 0; p < config_.peers.size(); ++p) local += config_.peers.at(p).host == host ? 1 : 0;
+  return CPU_COUNT(&cpus) >= 2 * local;
 }
 
 // Start returns once every peer's connection to this worker is registered too, so that the engine is
@@ -232,6 +250,7 @@ void Engine::Impl::AddConnection(Fd fd, int peer, bool outgoing) {
     if (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) c->OnReadable();
     CheckBroken(c);
   });
+  if (outgoing && sender_) c->set_sender(sender_.get());
   if (outgoing) p2p_.OnConnected(peer);  // answer peer-to-peer requests that came before this connection
   if (!outgoing) {
     std::lock_guard<std::mutex> lock(mu_);

@@ -46,6 +46,9 @@ struct EngineConfig {
   int spin_us = 200;                  // the loop polls this long after activity before sleeping (KUNGFU_SPIN_US)
   int64_t read_budget_bytes = 4 << 20;  // most read from one peer per wake-up, so no peer starves the others
   bool caller_drives = true;  // RunAndWait() runs the loop on the waiting thread (KUNGFU_CALLER_DRIVES)
+  // A second thread writes payloads of 256 KiB and more (cc/transport/sender.h): 1 on, 0 off, -1 where
+  // the machine has at least two cores for each worker on this host (KUNGFU_SEND_THREAD).
+  int send_thread = -1;
 };
 
 // The engine keeps, for the whole run, how many times each collective name was started (about 150 bytes

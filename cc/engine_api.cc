@@ -184,15 +184,21 @@ Status ReadEnvNumber(const char* var, double min, double max, double* out) {
 }  // namespace
 
 Status ApplyEnvOverrides(EngineConfig* c) {
-  double spin = c->spin_us, halving = c->halving ? 1 : 0, drives = c->caller_drives ? 1 : 0;
+  double spin = c->spin_us, halving = c->halving ? 1 : 0, drives = c->caller_drives ? 1 : 0,
+         send_thread = c->send_thread;
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_SPIN_US", 0, 1e6, &spin));
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_HALVING", 0, 1, &halving));
   if (halving != 0 && halving != 1) return InvalidArgument("KUNGFU_HALVING must be 0 or 1");
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_CALLER_DRIVES", 0, 1, &drives));
   if (drives != 0 && drives != 1) return InvalidArgument("KUNGFU_CALLER_DRIVES must be 0 or 1");
+  RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_SEND_THREAD", -1, 1, &send_thread));
+  if (send_thread != 0 && send_thread != 1 && send_thread != -1) {
+    return InvalidArgument("KUNGFU_SEND_THREAD must be 1, 0 or -1 (where cores are to spare)");
+  }
   c->spin_us = static_cast<int>(spin);
   c->halving = halving != 0;
   c->caller_drives = drives != 0;
+  c->send_thread = static_cast<int>(send_thread);
   double timeout = c->timeout_seconds, ring = static_cast<double>(c->ring_threshold_bytes),
          chunk = static_cast<double>(c->chunk_bytes), pending = static_cast<double>(c->max_pending_bytes);
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_TIMEOUT", 0.001, 1e7, &timeout));

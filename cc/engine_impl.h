@@ -93,6 +93,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
 
   Status ConnectToPeers();
   Status AwaitIncoming();
+  bool WantSender() const;  // config_.send_thread, with -1 resolved for this machine
   void AcceptLoop();
   void Poison(const Key& key);  // fails the collective when it starts here: a frame for it was dropped
   void Refused(const std::string& from, const Status& why);  // acceptor thread
@@ -128,6 +129,9 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   EngineConfig config_;
   HandshakeParams hs_;
   EventLoop loop_;
+  // Writes large payloads beside the loop (EngineConfig::send_thread); null when off. Declared after
+  // loop_ and before the connections, so that it outlives them and loop_ outlives it.
+  std::unique_ptr<Sender> sender_;
   Fd listener_;
   std::thread acceptor_;
   std::atomic<bool> stopping_{false};

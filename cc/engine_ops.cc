@@ -407,9 +407,11 @@ int Engine::Impl::AfterEvents() {
     ReportSent();
     CheckBroken(c);
     if (c->broken()) continue;
-    if (empty == writing_[d]) {
-      writing_[d] = !empty;
-      loop_.Modify(c->fd(), empty ? EPOLLIN : (EPOLLIN | EPOLLOUT));
+    // While the sender writes a payload, the socket's room is its business: waking on it here would spin.
+    const bool want_out = !empty && !c->offloaded();
+    if (want_out != writing_[d]) {
+      writing_[d] = want_out;
+      loop_.Modify(c->fd(), want_out ? (EPOLLIN | EPOLLOUT) : EPOLLIN);
     }
     pending_writes = pending_writes || !empty;
   }

@@ -1,5 +1,7 @@
 #include "cc/tests/cluster.h"
 
+#include <cstdlib>
+
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -42,6 +44,8 @@ std::vector<std::unique_ptr<Engine>> StartCluster(int n, const std::function<voi
     c.rank = r;
     c.token = "test-token";
     c.timeout_seconds = 10;
+    // The suite runs twice (Makefile): as configured, and with the sender thread on everywhere.
+    if (const char* v = std::getenv("KUNGFU_SEND_THREAD")) c.send_thread = std::atoi(v);
     if (tweak) tweak(c);
     auto e = Engine::Start(c);
     if (e.ok()) {

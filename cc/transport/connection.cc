@@ -26,6 +26,10 @@ Connection::Connection(Fd fd, int peer, FrameSink* sink, uint64_t read_budget)
     : fd_(std::move(fd)), peer_(peer), sink_(sink), read_budget_(std::max<uint64_t>(1, read_budget)),
       staging_(kStagingBytes) {}
 
+Connection::~Connection() {
+  if (offloaded_) sender_->Abort(&job_);  // before the fd closes and the payload goes
+}
+
 void Connection::Fail(const Status& s) {
   if (broken_) return;
   broken_ = true;
@@ -185,8 +189,48 @@ void Connection::EnqueueShared(const FrameHeader& h, const std::string& name, co
   queue_.back().keep = std::move(keep);
 }
 
+bool Connection::Offload() {
+  OutFrame& f = queue_.front();
+  const uint64_t done = f.written - (f.total() - f.len);  // of the payload
+  job_.fd = fd_.get();
+  job_.data = f.data + done;
+  job_.len = f.len - done;
+  if (!sender_->Start(&job_)) {
+    sender_ = nullptr;  // stopped: write everything here from now on
+    return false;
+  }
+  offloaded_ = true;
+  return true;
+}
+
+void Connection::TakeJob(std::vector<uint64_t>* sent) {
+  offloaded_ = false;
+  OutFrame& f = queue_.front();
+  f.written += job_.written;
+  if (job_.error != 0) {
+    Fail(ErrnoStatus(Code::kUnavailable, "send failed", job_.error));
+    return;
+  }
+  if (f.written == f.total()) {
+    if (f.op_id != 0) sent->push_back(f.op_id);
+    queue_.pop_front();
+  }
+}
+
 bool Connection::Flush(std::vector<uint64_t>* sent) {
+  if (!late_sent_.empty()) {
+    sent->insert(sent->end(), late_sent_.begin(), late_sent_.end());
+    late_sent_.clear();
+  }
+  if (offloaded_) {
+    if (!job_.done.load(std::memory_order_acquire)) return false;
+    TakeJob(sent);
+  }
   while (!broken_ && !queue_.empty()) {
+    if (sender_ != nullptr) {
+      const OutFrame& f = queue_.front();
+      if (f.len >= kOffloadBytes && f.written >= f.total() - f.len && Offload()) return false;
+    }
     iovec iov[kMaxIov];
     int n_iov = 0;
     for (auto it = queue_.begin(); it != queue_.end() && n_iov + 4 <= kMaxIov; ++it) {
@@ -204,6 +248,7 @@ bool Connection::Flush(std::vector<uint64_t>* sent) {
       add(reinterpret_cast<const char*>(it->header), kFrameHeaderSize);
       add(it->name.data(), it->name.size());
       add(kZeros, it->pad);
+      if (sender_ != nullptr && it->len >= kOffloadBytes) break;  // the sender writes it, once it is in front
       add(it->data, it->len);
     }
     msghdr msg{};
@@ -241,6 +286,10 @@ void Connection::AbandonTarget(uint64_t op_id) {
 }
 
 int Connection::CancelOp(uint64_t op_id) {
+  if (offloaded_ && queue_.front().op_id == op_id) {
+    sender_->Abort(&job_);  // the op's buffers may go once this returns
+    TakeJob(&late_sent_);
+  }
   int dropped = 0;
   for (auto it = queue_.begin(); it != queue_.end();) {
     if (it->op_id != op_id) {
@@ -266,6 +315,10 @@ int Connection::CancelOp(uint64_t op_id) {
 }
 
 void Connection::DropQueued(std::vector<uint64_t>* dropped) {
+  if (offloaded_) {
+    sender_->Abort(&job_);
+    TakeJob(dropped);
+  }
   for (const OutFrame& f : queue_) {
     if (f.op_id != 0) dropped->push_back(f.op_id);
     queued_end_ -= f.total() - f.written;

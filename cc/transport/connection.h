@@ -7,6 +7,8 @@
 // Reading parses frames out of a staging buffer; large payloads are read straight into the buffer
 // the receiver chose (often the collective's output: zero copy). Writing batches queued frames into
 // one sendmsg() and never blocks; a frame's data pointer is borrowed until the frame is written.
+// With a Sender (set_sender), a payload of kOffloadBytes or more is written by the sender's thread
+// instead, while the loop goes on reading and reducing; frames queued behind it wait for it.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +19,7 @@
 
 #include "cc/buffer.h"
 #include "cc/status.h"
+#include "cc/transport/sender.h"
 #include "cc/transport/socket.h"
 #include "cc/wire.h"
 
@@ -38,6 +41,16 @@ class Connection {
  public:
   // read_budget: the most one OnReadable() reads (at least 1).
   Connection(Fd fd, int peer, FrameSink* sink, uint64_t read_budget = 4 << 20);
+  ~Connection();  // takes back a payload the sender is writing
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+  // Payloads at least this large go to the sender, if there is one.
+  static constexpr uint64_t kOffloadBytes = 256 << 10;
+  // Hands large payloads to sender (which must outlive this connection); null: write them here.
+  void set_sender(Sender* sender) { sender_ = sender; }
+  // The sender is writing a payload of ours: this socket's writability is the sender's business
+  // until the sender wakes the loop, and Flush takes the result.
+  bool offloaded() const { return offloaded_; }
   int fd() const { return fd_.get(); }
   int peer() const { return peer_; }
   bool broken() const { return broken_; }
@@ -87,6 +100,11 @@ class Connection {
   enum class ReadState { kHeader, kPayload };
 
   void Fail(const Status& s);
+  // The front frame is all written but a large payload: hand it to the sender. False if it stopped.
+  bool Offload();
+  // The sender is done with the front frame's payload: count what it wrote; a finished frame's op id
+  // goes to sent.
+  void TakeJob(std::vector<uint64_t>* sent);
   bool ParseStaged();
   void BeginPayload();
   void FinishFrame();
@@ -114,6 +132,10 @@ class Connection {
   // Write side.
   std::deque<OutFrame> queue_;
   uint64_t queued_end_ = 0;  // stream offset just past the last queued frame (for the pad)
+  Sender* sender_ = nullptr;
+  Sender::Job job_;           // the front frame's payload, while offloaded_
+  bool offloaded_ = false;
+  std::vector<uint64_t> late_sent_;  // frames finished by the sender, seen outside Flush (CancelOp)
 };
 
 }  // namespace kungfu
