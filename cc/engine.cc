@@ -77,7 +77,7 @@ Status Engine::Impl::Start() {
 bool Engine::Impl::Busy() const {
   if (!ops_.empty() || !p2p_.idle() || flushing_) return true;
   for (size_t p = 0; p < writing_.size(); ++p) {
-    if (writing_[p] || judge_at_[p] || (out_[p] && out_[p]->offloaded())) return true;
+    if (writing_[p] || judge_at_[p] || (out_[p] && out_[p]->offloaded() && !out_[p]->broken())) return true;
   }
   return false;
 }
