@@ -1,5 +1,6 @@
 // Engine::Impl: start-up, connections, shutdown, and the submission of ops. The public API, which
-// builds ops and hands them here, is in engine_api.cc; the op lifecycle and frame routing in engine_ops.cc.
+// builds ops and hands them here, is in engine_api.cc; the op lifecycle and frame routing in engine_ops.cc;
+// the loop's after-events work (writes, judging, deadlines) in engine_deadlines.cc.
 #include "cc/engine.h"
 
 #include <poll.h>
