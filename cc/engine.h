@@ -47,7 +47,7 @@ struct EngineConfig {
   int64_t read_budget_bytes = 4 << 20;  // most read from one peer per wake-up, so no peer starves the others
   bool caller_drives = true;  // RunAndWait() runs the loop on the waiting thread (KUNGFU_CALLER_DRIVES)
   // A second thread writes payloads of 256 KiB and more (cc/transport/sender.h): 1 on, 0 off, -1 where
-  // the machine has at least two cores for each worker on this host (KUNGFU_SEND_THREAD).
+  // this process may run on at least two cores for each worker on its host (KUNGFU_SEND_THREAD).
   int send_thread = -1;
 };
 

@@ -1,10 +1,10 @@
 #include "cc/tests/cluster.h"
 
-#include <cstdlib>
-
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
+
+#include <cstdlib>
 
 #include "cc/tests/testing.h"
 
