@@ -14,7 +14,8 @@ import mp
 
 mp.worker_started()  # first thing, so the test can kill this process on every path
 
-import sys  # noqa: E402 (after the pid file on purpose)
+import os  # noqa: E402 (after the pid file on purpose)
+import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
@@ -273,6 +274,22 @@ def gradients_through_collectives():
         raise AssertionError("a gradient through all_reduce(op='max') raised nothing")
     except ValueError as e:
         assert "sum and mean only" in str(e), e
+
+
+@check
+def sender_thread_as_configured():
+    """The engine's sender thread (kf_send) runs with KUNGFU_SEND_THREAD=1 where there is a peer to write to,
+    and not with 0. Under the default (-1) it depends on the machine's cores, so only the forced settings
+    are checked: test_collectives_with_the_sender_thread forces it on."""
+    names = set()
+    for tid in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            names.add(f.read().strip())
+    setting = os.environ.get("KUNGFU_SEND_THREAD", "-1")
+    if setting == "1":
+        assert ("kf_send" in names) == (kungfu.size() > 1), sorted(names)
+    elif setting == "0":
+        assert "kf_send" not in names, sorted(names)
 
 
 def run_checks():

@@ -3,8 +3,8 @@
 Each np is one launch of tests/collectives_worker.py, which runs every check (values for every op,
 dtype and reduction on odd sizes, broadcast from every root, all-gather with differing first dims,
 consensus, mismatches, rank-dependent order, concurrency inside tf.function) and reports each one;
-see that file. One more launch kills a worker with SIGKILL in the middle of a collective, and another
-has one worker finalize while the others stay.
+see that file. One more launch runs the same checks with the engine's sender thread forced on, one kills a
+worker with SIGKILL in the middle of a collective, and another has one worker finalize while the others stay.
 
 Every process a test starts is killed when the test ends, on every path (tests/mp.py).
 """
@@ -30,13 +30,21 @@ CHECKS = ["all_reduce_values_eager", "all_reduce_values_in_one_function", "group
           "mismatches_fail_on_every_worker", "rank_dependent_order_in_one_function",
           "independent_collectives_run_together", "unused_and_identical_collectives_run", "later_trace_and_saved_model",
           "forked_child_keeps_off_the_engine", "nested_calls_meet_in_order",
-          "eager_collectives_from_several_threads"]
+          "eager_collectives_from_several_threads", "sender_thread_as_configured"]
 
 
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
 def test_collectives(np_, tmp_path):
     code, out = launch(np_, [WORKER], tmp_path, timeout=30, budget=240)
     assert_checks_passed(code, out, CHECKS, np_)
+
+
+def test_collectives_with_the_sender_thread(tmp_path):
+    """The same checks with the engine's sender thread forced on, which the auto rule keeps off on a machine
+    with fewer than two cores per worker (CI's): the 4 MB values go out in pieces of 1 MiB, each written by
+    the sender thread while the TF kernels' collectives run on the loop (docs/engine.md, Threads)."""
+    code, out = launch(2, [WORKER], tmp_path, timeout=30, budget=240, env={"KUNGFU_SEND_THREAD": "1"})
+    assert_checks_passed(code, out, CHECKS, 2)
 
 
 def test_peer_killed_mid_collective(tmp_path):
