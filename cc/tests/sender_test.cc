@@ -62,20 +62,22 @@ TEST(Sender, WritesAPayloadBesideTheCallerAndWakesIt) {
   std::vector<char> data(8 << 20);
   for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 7 + 3);
   std::vector<char> got(data.size());
-  std::thread reader([&] {
-    size_t n = 0;
-    while (n < got.size()) {
-      const ssize_t k = ::read(p.reader.get(), got.data() + n, got.size() - n);
-      if (k <= 0) break;
-      n += static_cast<size_t>(k);
-    }
-  });
   std::atomic<int> wakes{0};
   Sender sender([&] { ++wakes; }, 200);
   Sender::Job job;
   SetPayload(&job, p.writer.get(), data);
-  ASSERT_TRUE(sender.Start(&job));
+  ASSERT_TRUE(sender.Start(&job));  // before the reader starts, so a failure leaves no thread behind
+  std::thread reader([&] {
+    size_t n = 0;
+    while (n < got.size()) {
+      const ssize_t k = ::read(p.reader.get(), got.data() + n, got.size() - n);
+      if (k <= 0) break;  // EOF: the writer was closed below
+      n += static_cast<size_t>(k);
+    }
+  });
   EXPECT_TRUE(WaitDone(job, 10));
+  sender.Abort(&job);  // a no-op when done; otherwise the sender lets go of the socket first
+  p.writer = Fd();     // so a reader still waiting for bytes that never came sees EOF, not a hang
   reader.join();
   EXPECT_EQ(job.written, static_cast<uint64_t>(data.size()));
   EXPECT_EQ(job.error, 0);
@@ -83,10 +85,8 @@ TEST(Sender, WritesAPayloadBesideTheCallerAndWakesIt) {
   EXPECT_TRUE(wakes.load() >= 1);
   sender.Stop();
   Sender::Job late;
-  late.fd = p.writer.get();
-  late.data = data.data();
-  late.len = 1;
-  EXPECT_TRUE(!sender.Start(&late));  // after Stop the caller writes for itself
+  SetPayload(&late, p.reader.get(), data);
+  EXPECT_TRUE(!sender.Start(&late));  // after Stop the caller writes for itself (nothing is written here)
 }
 
 TEST(Sender, AbortTakesBackAJobWhoseReaderStalled) {

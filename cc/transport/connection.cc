@@ -218,10 +218,6 @@ void Connection::TakeJob(std::vector<uint64_t>* sent) {
 }
 
 bool Connection::Flush(std::vector<uint64_t>* sent) {
-  if (!late_sent_.empty()) {
-    sent->insert(sent->end(), late_sent_.begin(), late_sent_.end());
-    late_sent_.clear();
-  }
   if (offloaded_) {
     if (!job_.done.load(std::memory_order_acquire)) return false;
     TakeJob(sent);
@@ -288,7 +284,8 @@ void Connection::AbandonTarget(uint64_t op_id) {
 int Connection::CancelOp(uint64_t op_id) {
   if (offloaded_ && queue_.front().op_id == op_id) {
     sender_->Abort(&job_);  // the op's buffers may go once this returns
-    TakeJob(&late_sent_);
+    std::vector<uint64_t> finished;  // at most this op's frame: the op is going, nobody waits for it
+    TakeJob(&finished);
   }
   int dropped = 0;
   for (auto it = queue_.begin(); it != queue_.end();) {

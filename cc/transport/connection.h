@@ -135,7 +135,6 @@ class Connection {
   Sender* sender_ = nullptr;
   Sender::Job job_;           // the front frame's payload, while offloaded_
   bool offloaded_ = false;
-  std::vector<uint64_t> late_sent_;  // frames finished by the sender, seen outside Flush (CancelOp)
 };
 
 }  // namespace kungfu
