@@ -235,3 +235,31 @@ def test_calls_of_functions_holding_collectives_are_ordered():
     assert ops[0] in ops[1].control_inputs and ops[1] in ops[2].control_inputs, (
         "a tf.cond holding a call with collectives is not ordered with the calls around it")
 
+
+
+def _branchy():
+    def branchy(x):
+        if x > 0:  # AutoGraph makes this a tf.cond; called as it is, a symbolic tensor's bool is refused
+            return x
+        return -x
+
+    return branchy
+
+
+def test_no_autograph_marks_the_function_itself_and_autograph_calls_it_as_it_is():
+    converted, marked = _branchy(), _naming.no_autograph(_branchy())
+    assert getattr(kungfu.all_reduce, "__wrapped__", None) is None and marked.__name__ == "branchy", (
+        "tf.autograph.experimental.do_not_convert's wrapper no longer carries AutoGraph's mark "
+        f"{_naming._AUTOGRAPH_MARK!r}: every eager collective pays for the wrapper (see _naming.no_autograph)")
+
+    @tf.function
+    def uses_converted(x):
+        return converted(x)
+
+    @tf.function
+    def uses_marked(x):
+        return marked(x)
+
+    assert float(uses_converted(tf.constant(-2.0))) == 2.0
+    with pytest.raises(TypeError, match="bool"):  # OperatorNotAllowedInGraphError: not converted
+        uses_marked(tf.constant(-2.0))

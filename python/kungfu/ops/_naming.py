@@ -41,7 +41,8 @@ TF internals relied on (checked by tests/test_ops_naming.py, which fails clearly
 changes them): the class names of control-flow FuncGraphs, FuncGraph.outer_graph,
 Graph.unique_name, control_flow_util.GraphOrParentsInXlaContext (the check is skipped without it),
 and, to order calls of functions holding collectives (end of this file),
-auto_control_deps.register_acd_resource_resolver, Graph._get_function and its result's .graph.
+auto_control_deps.register_acd_resource_resolver, Graph._get_function and its result's .graph; and
+AutoGraph's mark on the functions it calls as they are (no_autograph).
 """
 
 import collections
@@ -67,6 +68,23 @@ _explicit_names = weakref.WeakKeyDictionary()  # tf.function graph -> {explicit 
 _token_variable = None  # eager calls' token, created on first use
 _eager_keys = {}  # key -> the key as an eager string tensor
 _MAX_EAGER_KEYS = 4096  # past this many distinct names the cache starts over
+
+
+def no_autograph(func):
+    """Returns func, marked so that AutoGraph calls it as it is inside a tf.function instead of converting
+    it: what tf.autograph.experimental.do_not_convert does, without the wrapper that function returns,
+    which enters a context on every call (about a tenth of an eager 4 KiB all_reduce's CPU time).
+    Our wrappers call no user code, so the context is not needed. The mark is AutoGraph's own: the
+    attribute do_not_convert's wrapper carries; a TF whose wrapper has none gets the wrapper
+    (tests/test_ops_naming.py fails then)."""
+    wrapper = tf.autograph.experimental.do_not_convert(func)
+    if not hasattr(wrapper, _AUTOGRAPH_MARK):
+        return wrapper
+    setattr(func, _AUTOGRAPH_MARK, getattr(wrapper, _AUTOGRAPH_MARK))
+    return func
+
+
+_AUTOGRAPH_MARK = "autograph_info__"  # tensorflow/python/autograph/impl/api.py: autograph_artifact()
 
 
 def function_graph(graph):

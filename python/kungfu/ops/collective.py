@@ -17,23 +17,26 @@ from . import _naming
 
 
 class _DTypes(tuple):
-    """The dtypes an op takes, in the order error messages list them; `in` looks them up by hash,
-    not by one DType.__eq__ per entry (an eager collective pays for each Python call)."""
+    """The dtypes an op takes, in the order error messages list them. `in` looks a dtype up by identity
+    first: TF interns its DType objects, and hashing one (a call into its C++ class) costs an eager
+    collective several microseconds on a loaded core; by hash, not by one DType.__eq__ per entry, if
+    that misses."""
 
     def __new__(cls, dtypes):
         self = super().__new__(cls, dtypes)
         self._set = frozenset(dtypes)
+        self._ids = frozenset(map(id, dtypes))
         return self
 
     def __contains__(self, dtype):
-        return dtype in self._set
+        return id(dtype) in self._ids or dtype in self._set
 
 
 REDUCE_OPS = ("sum", "mean", "min", "max", "prod")
 REDUCE_DTYPES = _DTypes((tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64))
 COPY_DTYPES = _DTypes(REDUCE_DTYPES + (tf.uint8, tf.int8, tf.bool))  # broadcast, all_gather, consensus
 
-_no_autograph = tf.autograph.experimental.do_not_convert
+_no_autograph = _naming.no_autograph
 
 
 def _reduce_op(op, what):

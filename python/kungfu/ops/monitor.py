@@ -16,8 +16,9 @@ import numbers
 import tensorflow as tf
 
 from .. import _lib
+from . import _naming
 
-_no_autograph = tf.autograph.experimental.do_not_convert
+_no_autograph = _naming.no_autograph
 
 
 def _key(key, what):

@@ -27,7 +27,7 @@ DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64, tf.int32, tf.int64, t
 _MAX_NAME_BYTES = 4096  # cc/wire.h kMaxNameBytes
 _MAX_EAGER_KEYS = 4096  # past this many distinct names the cache starts over
 
-_no_autograph = tf.autograph.experimental.do_not_convert
+_no_autograph = _naming.no_autograph
 _eager_keys = {}  # name -> its scalar string tensor, reused by eager calls (saves ~50 us per call)
 
 
