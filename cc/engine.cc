@@ -315,6 +315,7 @@ EngineStats Engine::Impl::stats() const {
   s.bytes_sent = stats_.bytes_sent;
   s.bytes_received = stats_.bytes_received;
   s.refused_handshakes = stats_.refused;
+  s.loop_wakes = loop_.wakes();
   return s;
 }
 

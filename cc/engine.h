@@ -66,6 +66,7 @@ struct EngineStats {
   int64_t bytes_sent = 0;      // payload bytes written to sockets
   int64_t bytes_received = 0;  // payload bytes read from sockets
   int64_t refused_handshakes = 0;
+  int64_t loop_wakes = 0;      // eventfd writes that made a thread in epoll_wait look (not reset)
 };
 
 using DoneCallback = std::function<void(const Status&)>;

@@ -88,6 +88,10 @@ bool Connection::OnReadable() {
       staged_end_ += static_cast<size_t>(n);
       if (!ParseStaged()) return false;
     }
+    // A short read took all the socket had: TCP's recv copies until the buffer is full or the queue is
+    // empty. The epoll registration is level-triggered, so what arrives next is reported again; a
+    // second recv now would only say EAGAIN (one system call per frame a small collective receives).
+    if (static_cast<size_t>(n) < want) return false;
   }
   return !broken_;
 }

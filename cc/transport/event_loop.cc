@@ -66,13 +66,23 @@ void EventLoop::Stop() {
   for (auto& t : left) t();
 }
 
+namespace {
+// The loop a blocking caller on this thread is about to drive, while it starts its collective (DriveUntil).
+thread_local const EventLoop* t_about_to_drive = nullptr;
+}  // namespace
+
 void EventLoop::Post(std::function<void()> task) {
   {
     std::unique_lock<std::mutex> lock(mu_);
     if (!stopped_) {
       posted_.push_back(std::move(task));
       lock.unlock();
-      Wake();  // whoever waits in epoll_wait: the loop thread or a driving caller
+      // Whoever waits in epoll_wait, the loop thread or a driving caller, must look. Not when this
+      // thread is about to drive and no caller drives yet: whoever drives first (this thread or one that
+      // comes meanwhile) begins with an iteration that does not wait and runs what is posted, and the loop
+      // thread leaves it to them. That spares a blocking collective the eventfd's write and read. (A
+      // caller that leaves without driving wakes the loop thread for what is left: LeaveDrive.)
+      if (t_about_to_drive != this || SomeCallerDrives()) Wake();
       // No caller will run it: the loop thread must, even if it lingers. (A caller that leaves after
       // this read kicks it itself: see LeaveDrive.)
       if (callers_.load() == 0 && parked_.load()) Kick();
@@ -90,12 +100,18 @@ void EventLoop::Kick() {
   park_cv_.notify_all();
 }
 
+bool EventLoop::SomeCallerDrives() {
+  std::lock_guard<std::mutex> lock(park_mu_);  // after the post: a driver that starts later takes it
+  return caller_driving_;
+}
+
 bool EventLoop::HasPosts() {
   std::lock_guard<std::mutex> lock(mu_);
   return !posted_.empty();
 }
 
 void EventLoop::Wake() {
+  wakes_.fetch_add(1, std::memory_order_relaxed);
   const uint64_t one = 1;
   ssize_t rc = ::write(wake_fd_, &one, sizeof(one));
   (void)rc;  // EAGAIN means a wake-up is already pending: fine
@@ -281,7 +297,13 @@ void EventLoop::DriveUntil(const std::function<bool()>& finished, const std::fun
       const bool& busy;
       ~Leave() { loop->LeaveDrive(drove, busy); }
     } leave{this, drove, busy};
-    if (start) start();
+    if (start) {
+      struct AboutToDrive {  // for start()'s posts (Post): cleared on every path out
+        explicit AboutToDrive(const EventLoop* loop) { t_about_to_drive = loop; }
+        ~AboutToDrive() { t_about_to_drive = nullptr; }
+      } about_to_drive(this);
+      start();
+    }
     std::unique_lock<std::mutex> park(park_mu_);
     turn_cv_.wait(park, [&] { return finished() || !caller_driving_ || !running_; });
     if (!finished() && running_) {

@@ -20,6 +20,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <condition_variable>
 #include <functional>
 #include <mutex>
@@ -107,6 +108,8 @@ class EventLoop {
   // DriveUntil start() that takes a while (packing a group's buckets), so what it has already started
   // goes out meanwhile (the loop thread leaves that to the caller). Never from a callback.
   void PollOnce();
+  // How many times the eventfd was written to make a thread in epoll_wait look (for tests and stats).
+  int64_t wakes() const { return wakes_.load(std::memory_order_relaxed); }
 
   // Driving thread only: how long the loop was not run (see "Time not run" above) since the last call,
   // counting a read of the clock at now. The owner calls it where it checks deadlines, with the now it
@@ -127,6 +130,7 @@ class EventLoop {
   // A caller leaves DriveUntil (drove: it ran iterations; busy: it left other work in flight).
   void LeaveDrive(bool drove, bool busy);
   bool HasPosts();
+  bool SomeCallerDrives();  // a caller holds the drive lock (or is about to, having been let in)
   // One iteration; the drive lock is held. Returns after_events' sleep and whether anything happened.
   // loop_thread: run by the loop's own thread, which leaves posted tasks to a caller come to drive.
   int Iterate(int wait_ms, bool* active, bool loop_thread);
@@ -148,6 +152,7 @@ class EventLoop {
   bool stopped_ = false;
 
   std::mutex drive_mu_;          // held by the thread running an iteration
+  std::atomic<int64_t> wakes_{0};
   std::atomic<int> callers_{0};  // threads inside DriveUntil
   std::atomic<int64_t> last_exit_ns_{0};  // steady clock: when a caller last left DriveUntil
   std::atomic<bool> parked_{false};       // the loop thread is in Park()
