@@ -450,6 +450,12 @@ def main():
     if sys.argv[1] == "pair_leaver":
         return training_strategy_checks.pair_averaging_outlives_a_departed_peer()
     checks = CHECKS + training_strategy_checks.CHECKS if sys.argv[1] == "equivalence" else DIGITS_CHECKS
+    if len(sys.argv) > 2:  # only these checks, by name (comma-separated)
+        wanted = sys.argv[2].split(",")
+        unknown = sorted(set(wanted) - {fn.__name__ for fn in checks})
+        if unknown:
+            sys.exit(f"training_worker.py: no such check: {', '.join(unknown)}")
+        checks = [fn for fn in checks if fn.__name__ in wanted]
     sys.exit(1 if mp.run_checks(checks, kungfu.rank()) else 0)
 
 
