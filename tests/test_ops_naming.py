@@ -236,7 +236,6 @@ def test_calls_of_functions_holding_collectives_are_ordered():
         "a tf.cond holding a call with collectives is not ordered with the calls around it")
 
 
-
 def _branchy():
     def branchy(x):
         if x > 0:  # AutoGraph makes this a tf.cond; called as it is, a symbolic tensor's bool is refused
@@ -247,8 +246,9 @@ def _branchy():
 
 
 def test_no_autograph_marks_the_function_itself_and_autograph_calls_it_as_it_is():
-    converted, marked = _branchy(), _naming.no_autograph(_branchy())
-    assert getattr(kungfu.all_reduce, "__wrapped__", None) is None and marked.__name__ == "branchy", (
+    converted, original = _branchy(), _branchy()
+    marked = _naming.no_autograph(original)
+    assert marked is original and getattr(kungfu.all_reduce, "__wrapped__", None) is None, (
         "tf.autograph.experimental.do_not_convert's wrapper no longer carries AutoGraph's mark "
         f"{_naming._AUTOGRAPH_MARK!r}: every eager collective pays for the wrapper (see _naming.no_autograph)")
 
