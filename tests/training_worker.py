@@ -1,11 +1,12 @@
 """The worker of test_training_mp.py, started N times by kfrun. Not a test module itself.
 
-    python -m kungfu.launcher -np N -- python tests/training_worker.py equivalence
+    python -m kungfu.launcher -np N -- python tests/training_worker.py equivalence [CHECK,CHECK,...]
     python -m kungfu.launcher -np 4 -- python tests/training_worker.py digits
     python -m kungfu.launcher -np 2 --timeout 4 -- python tests/training_worker.py strategies_differ
     python -m kungfu.launcher -np 3 --timeout 4 -- python tests/training_worker.py pair_leaver
 
-Prints one "KFCHECK <name> OK|FAIL ..." line per check (tests/mp.py).
+Prints one "KFCHECK <name> OK|FAIL ..." line per check (tests/mp.py). A comma-separated list of check
+names after the mode runs only those.
 
 `equivalence`: S-SGD on N workers, each on its shard of every global batch, must end with the
 weights of one process trained on the whole global batches (within 1e-5 after 20 steps), for
