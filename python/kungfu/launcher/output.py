@@ -21,11 +21,12 @@ import fcntl
 import os
 import queue
 import select
-import signal
 import sys
 import termios
 import threading
 import time
+
+from .exits import signal_name
 
 MAX_LINE = 1 << 16
 DRAIN_GRACE = 2.0  # seconds a pipe held open by a leftover process gets to reach its end, once caught up
@@ -297,7 +298,7 @@ def drain(pumps, printer, stopped):
         if signum:
             for p in live:
                 p.stop()
-            printer.message(f"got {_signal_name(signum)} while still writing the workers' output; dropped the "
+            printer.message(f"got {signal_name(signum)} while still writing the workers' output; dropped the "
                             f"rest of {', '.join(p.what for p in live)}")
             return signum
         live[0].thread.join(0.05)
@@ -307,13 +308,6 @@ def drain(pumps, printer, stopped):
                             "wrote: a process the job left running holds it open and still writes to it; what it "
                             "writes from now on is dropped")
     return None
-
-
-def _signal_name(signum):
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return f"signal {signum}"
 
 
 def _close_quietly(f):

@@ -33,6 +33,7 @@ import threading
 import time
 
 from . import orphans
+from .exits import SSH_FAILED, describe_exit, exit_code
 from . import output
 from . import worker as worker_lib
 
@@ -41,33 +42,6 @@ _PASSED_ON = (signal.SIGUSR1, signal.SIGUSR2)  # forwarded; the job goes on
 _POLL = 0.2  # seconds between looks at the deadlines while nothing happens
 _REAP_EVERY = 1.0  # seconds between reaping orphans that were re-parented to kfrun and exited while the job runs
 STALLED = 124  # the exit code when workers were stopped for outliving a finished one by --timeout + --grace
-
-
-def exit_code(returncode):
-    return 128 - returncode if returncode < 0 else returncode
-
-
-def _signal_name(signum):
-    try:
-        return signal.Signals(signum).name
-    except ValueError:
-        return "an unknown signal"
-
-
-# After a remote worker's exit code 255: ssh's own failure (its message, on the worker's stderr, says which).
-_SSH_FAILED = (" (255 is ssh's own failure: ssh could not connect to {host}, or lost the connection to it (the host "
-               "or the network went down, or stopped answering); check that this machine can `ssh -o BatchMode=yes "
-               "{host}`)")
-
-
-def describe_exit(returncode, is_local=True):
-    """'exit code 7', or for a worker killed by a signal, 'exit code 139: killed by signal 11 (SIGSEGV)'."""
-    code = exit_code(returncode)
-    if returncode < 0:
-        return f"exit code {code}: killed by signal {-returncode} ({_signal_name(-returncode)})"
-    if not is_local and 128 < code < 128 + 65:  # the remote shell reports a signal N as 128+N
-        return f"exit code {code} (128+{code - 128}: killed by signal {code - 128}, {_signal_name(code - 128)}?)"
-    return f"exit code {code}"
 
 
 class Supervisor:
@@ -252,7 +226,7 @@ class Supervisor:
         self._stall_at = None  # a failure: --grace alone applies now
         code = exit_code(returncode)
         self._failed_codes.add(code)
-        hint = _SSH_FAILED.format(host=w.spec.host) if code == 255 and not w.spec.is_local else ""
+        hint = SSH_FAILED.format(host=w.spec.host) if code == 255 and not w.spec.is_local else ""
         if pending:
             self._term_at = time.monotonic() + self._opts.grace
             hint += f"; the others have {self._opts.grace:g}s (--grace) to finish before SIGTERM"
