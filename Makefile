@@ -124,7 +124,7 @@ endef
 $(foreach k,$(SAN_KINDS),$(eval $(call SAN_RULES,$(k))))
 
 # The engine alone (cc/ less cc/tests, no kf_ops/, no TensorFlow) as a shared library with the C API of
-# cc/c_api.h, for ctypes: benchmarks/_allreduce/worker_engine.py. The one g++ command lives in the script so
+# cc/c_api.h, for ctypes: benchmarks/_allreduce/worker_engine.py. The compile commands live in the script so
 # that a machine without make's other dependencies builds the same library.
 ENGINE_LIB_DEPS := $(filter-out cc/tests/%,$(CC_TEST_SRCS) $(wildcard cc/*.h cc/*/*.h)) \
                    benchmarks/_allreduce/build_engine.sh

@@ -183,7 +183,7 @@ def main(argv):
         tcp_ring = S.build_tcp_ring(work_dir) if 'raw' in FLAGS.systems else (None, '')
         engine = (None, '')
         if 'engine' in FLAGS.systems:
-            print('engine: compiling cc/ with _allreduce/build_engine.sh (one %s command)' % S.engine_compiler(),
+            print('engine: compiling cc/ with _allreduce/build_engine.sh (%s, a file per core)' % S.engine_compiler(),
                   flush=True)
             engine = S.build_engine(work_dir)
         chosen = []
