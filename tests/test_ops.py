@@ -284,6 +284,10 @@ def test_import_is_lazy():
             "assert kungfu._lib._library is None, 'import kungfu loaded the library'\n"
             "assert threading.active_count() == 1, threading.enumerate()\n"
             "assert not kungfu.is_initialized()\n"
+            "names = dir(kungfu)  # tab completion: the lazy API is listed, nothing is imported for it\n"
+            "assert {'all_reduce', 'DistributedGradientTape', 'keras', 'init'} <= set(names), names\n"
+            "assert not {'os', 'importlib'} & set(names), names\n"
+            "assert 'tensorflow' not in sys.modules, 'dir(kungfu) imported tensorflow'\n"
             "print('lazy')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

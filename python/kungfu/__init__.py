@@ -12,8 +12,8 @@ kungfu.optimizers, kungfu.keras) import TensorFlow on first access.
 Errors are in kungfu.errors. See docs/api.md and docs/training.md.
 """
 
-import importlib
-import os
+import importlib as _importlib
+import os as _os
 
 from . import errors
 from ._lib import finalize
@@ -42,9 +42,9 @@ _LAZY = {
 
 # Installed, kungfu.policies is a subpackage (setup.py maps it from policies/). In a source checkout
 # (python/ on sys.path) it is the repository's policies/ directory, found through this extra path.
-_SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if not os.path.isdir(os.path.join(os.path.dirname(__file__), "policies")) and \
-        os.path.isfile(os.path.join(_SOURCE_ROOT, "policies", "__init__.py")):
+_SOURCE_ROOT = _os.path.dirname(_os.path.dirname(_os.path.dirname(_os.path.abspath(__file__))))
+if not _os.path.isdir(_os.path.join(_os.path.dirname(__file__), "policies")) and \
+        _os.path.isfile(_os.path.join(_SOURCE_ROOT, "policies", "__init__.py")):
     __path__.append(_SOURCE_ROOT)
 
 __all__ = ["init", "finalize", "is_initialized", "rank", "size", "local_rank", "local_size", "errors", *_LAZY]
@@ -53,8 +53,14 @@ __all__ = ["init", "finalize", "is_initialized", "rank", "size", "local_rank", "
 def __getattr__(name):
     if name in _LAZY:
         module, attribute = _LAZY[name]
-        module = importlib.import_module(module, __name__)
+        module = _importlib.import_module(module, __name__)
         value = module if attribute is None else getattr(module, attribute)
         globals()[name] = value  # later lookups find it directly (an eager collective is called per step)
         return value
     raise AttributeError(f"module 'kungfu' has no attribute {name!r}")
+
+
+def __dir__():
+    """What tab completion and dir(kungfu) show: the public API, the lazy names included (listing them
+    imports nothing)."""
+    return sorted(set(__all__) | {name for name in globals() if not name.startswith("_")})

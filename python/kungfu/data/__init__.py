@@ -19,3 +19,7 @@ def __getattr__(name):  # EpochCallback imports keras, which a custom loop may n
 
         return EpochCallback
     raise AttributeError(f"module 'kungfu.data' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(__all__) | {name for name in globals() if not name.startswith("_")})
