@@ -18,9 +18,9 @@ cxx=${CXX:-g++}
 jobs=${JOBS:-$(nproc 2>/dev/null || echo 2)}
 objs=$(mktemp -d "${TMPDIR:-/tmp}/kungfu_engine_objs.XXXXXX")
 trap 'rm -rf "$objs"' EXIT INT TERM
-flags="-std=c++17 -O3 -DNDEBUG -fPIC -pthread -Wall -I$root"
 # Object names keep the folder (transport_x.o), so two sources with one file name cannot collide.
 ls "$root"/cc/*.cc "$root"/cc/transport/*.cc "$root"/cc/collective/*.cc "$root"/cc/p2p/*.cc |
-    xargs -P "$jobs" -I SRC sh -c 'rel=${1#"$2"/cc/}; exec $3 $4 -c "$1" -o "$5/$(echo "$rel" | tr / _).o"' \
-        sh SRC "$root" "$cxx" "$flags" "$objs"
+    xargs -P "$jobs" -I SRC sh -c 'rel=${1#"$2"/cc/}
+        exec "$3" -std=c++17 -O3 -DNDEBUG -fPIC -pthread -Wall -I"$2" -c "$1" -o "$4/$(echo "$rel" | tr / _).o"' \
+        sh SRC "$root" "$cxx" "$objs"
 "$cxx" -shared -pthread -o "$out" "$objs"/*.o
