@@ -11,6 +11,7 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -100,14 +101,28 @@ def _raw(np, plan, binary, mode):
     return out
 
 
-def _compile(argv, output, timeout):
-    """Runs a compiler command; returns (output, '') or (None, why)."""
+def _kill_session(proc):
     try:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, '%s took over %d s' % (os.path.basename(argv[0]), timeout)
-    if r.returncode != 0:
-        return None, '%s failed:\n%s' % (' '.join(argv[:2]), r.stderr[-2000:])
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _compile(argv, output, timeout):
+    """Runs a compiler command in a session of its own; returns (output, '') or (None, why). On a timeout or an
+    interrupt the whole session is killed: build_engine.sh's compilers are children of its xargs."""
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except BaseException as e:  # the timeout, or an interrupt of the driver
+        _kill_session(proc)
+        proc.communicate()
+        if isinstance(e, subprocess.TimeoutExpired):
+            return None, '%s took over %d s' % (os.path.basename(argv[0]), timeout)
+        raise
+    _kill_session(proc)  # anything the command left running (nothing, when it exits normally)
+    if proc.returncode != 0:
+        return None, '%s failed:\n%s' % (' '.join(argv[:2]), err[-2000:])
     return output, ''
 
 
