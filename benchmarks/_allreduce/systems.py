@@ -11,7 +11,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 
@@ -101,26 +100,20 @@ def _raw(np, plan, binary, mode):
     return out
 
 
-def _kill_session(proc):
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
 def _compile(argv, output, timeout):
     """Runs a compiler command in a session of its own; returns (output, '') or (None, why). On a timeout or an
-    interrupt the whole session is killed: build_engine.sh's compilers are children of its xargs."""
+    interrupt, launch.kill_group stops the whole session: build_engine.sh's compilers are children of its xargs
+    (SIGTERM first, so that the script removes its objects)."""
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _, err = proc.communicate(timeout=timeout)
     except BaseException as e:  # the timeout, or an interrupt of the driver
-        _kill_session(proc)
+        launch.kill_group([proc])
         proc.communicate()
         if isinstance(e, subprocess.TimeoutExpired):
             return None, '%s took over %d s' % (os.path.basename(argv[0]), timeout)
         raise
-    _kill_session(proc)  # anything the command left running (nothing, when it exits normally)
+    launch.kill_group([proc])  # anything the command left running (nothing, when it exits normally)
     if proc.returncode != 0:
         return None, '%s failed:\n%s' % (' '.join(argv[:2]), err[-2000:])
     return output, ''
