@@ -60,6 +60,7 @@ int main(int argc, char** argv) {
   using namespace kungfu::testing;
   const char* filter = argc > 1 ? argv[1] : nullptr;
   int passed = 0, failed = 0;
+  std::string failed_names;  // repeated after the count, so the last lines of a long log name them
   for (const auto& t : Registry()) {
     if (filter && !std::strstr(t.name, filter)) continue;
     g_failures_in_test = 0;
@@ -77,8 +78,11 @@ int main(int argc, char** argv) {
     } else {
       ++failed;
       std::fprintf(stderr, "[ FAIL ] %s (%.0f ms)\n", t.name, ms);
+      failed_names += failed_names.empty() ? "" : ", ";
+      failed_names += t.name;
     }
   }
-  std::printf("%s: %d passed, %d failed\n", argv[0], passed, failed);
+  std::printf("%s: %d passed, %d failed%s%s\n", argv[0], passed, failed, failed ? ": " : "",
+              failed_names.c_str());
   return failed == 0 ? 0 : 1;
 }
