@@ -78,7 +78,8 @@ Status Engine::Impl::Start() {
 bool Engine::Impl::Busy() const {
   if (!ops_.empty() || !p2p_.idle() || flushing_) return true;
   for (size_t p = 0; p < writing_.size(); ++p) {
-    if (writing_[p] || judge_at_[p] || (out_[p] && out_[p]->offloaded() && !out_[p]->broken())) return true;
+    const Connection* c = out_[p].get();
+    if (writing_[p] || judge_at_[p] || (c && !c->broken() && (c->offloaded() || c->has_queued()))) return true;
   }
   return false;
 }

@@ -51,6 +51,8 @@ class Connection {
   // The sender is writing a payload of ours: this socket's writability is the sender's business
   // until the sender wakes the loop, and Flush takes the result.
   bool offloaded() const { return offloaded_; }
+  // Frames are queued that Flush has not written yet (an abort queued after the iteration's flush).
+  bool has_queued() const { return !queue_.empty(); }
   int fd() const { return fd_.get(); }
   int peer() const { return peer_; }
   bool broken() const { return broken_; }

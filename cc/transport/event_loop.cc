@@ -348,13 +348,17 @@ void EventLoop::LeaveDrive(bool drove, bool busy) {
   // needs the loop now.
   if (drove) last_exit_ns_ = busy ? 0 : NowNs();
   if (callers_.fetch_sub(1) != 1) return;  // a caller still here drives next
+  // Work left for it: what was posted after the last iteration (by a thread that saw a caller still
+  // here), or what the last driver left in flight.
+  const bool work_left = HasPosts() || last_exit_ns_.load() == 0;
   if (parked_.load()) {
-    // Work left for it: what was posted after the last iteration (by a thread that saw a caller still
-    // here), or what the last driver left in flight.
-    if (HasPosts() || last_exit_ns_.load() == 0) Kick();
-  } else {
+    if (work_left) Kick();
+  } else if (work_left || !busy_) {  // without the busy hook, whether work is left is not known
     // It may sleep in epoll_wait on a stale timeout, its wake-up taken by a driving caller's iteration:
-    // make it look again (deadlines, posts).
+    // make it look again (deadlines, posts). With nothing left it may sleep on: nothing can time out,
+    // and what comes next (I/O, a post from another thread) wakes it. Not parked here usually means it
+    // was not run within the linger (a loaded machine); waking it after every blocking call then would
+    // cost a write, and a thread switch the CPU cannot spare, per call.
     Wake();
   }
 }
