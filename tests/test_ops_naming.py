@@ -10,6 +10,7 @@ import tensorflow as tf
 
 
 import kungfu
+from kungfu import _lib
 from kungfu.ops import _naming
 
 pytestmark = pytest.mark.usefixtures("kungfu_library")  # fails, naming the fix, when it is not built
@@ -263,3 +264,37 @@ def test_no_autograph_marks_the_function_itself_and_autograph_calls_it_as_it_is(
     assert float(uses_converted(tf.constant(-2.0))) == 2.0
     with pytest.raises(TypeError, match="bool"):  # OperatorNotAllowedInGraphError: not converted
         uses_marked(tf.constant(-2.0))
+
+
+def _error_of(fn):
+    with pytest.raises(tf.errors.OpError) as caught:
+        fn()
+    return str(caught.value)
+
+
+def test_eager_collectives_run_op_by_op_and_leave_tf_as_it_was():
+    """An eager collective turns TF's run_eager_op_as_function off for its own dispatch only (_naming.ops). TF
+    marks an error of an op it ran as a one-op function with the function's node, "__wrapped__<Op>": the
+    kernel's own error shows which path ran it, and an ordinary op's error after it that TF's setting is back."""
+    assert _naming._set_op_as_function is not None, (
+        "tensorflow.python.pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction is gone: eager collectives run as "
+        "one-op functions again, slower (kungfu/ops/_naming.py, ops())")
+
+    def reshape_error():
+        return _error_of(lambda: tf.reshape(tf.ones([4]), [3]))
+
+    assert "__wrapped__Reshape" in reshape_error(), (
+        "TF no longer runs eager ops as one-op functions by default: _naming.ops() may have nothing left to do")
+    x = tf.ones([3])
+    token = _naming.token(True)
+    empty_key = tf.constant("")  # refused by the kernel itself: "the collective key must not be empty"
+
+    def refused(module):
+        return _error_of(lambda: module.kf_all_reduce(x, empty_key, token, reduce_op="sum", blocking=True))
+
+    by_op = refused(_naming.ops(True))
+    assert "must not be empty" in by_op and "__wrapped__" not in by_op, by_op
+    assert "__wrapped__Reshape" in reshape_error(), "the eager collective left run_eager_op_as_function off"
+    as_function = refused(_lib.op_module())
+    assert "__wrapped__KfAllReduce" in as_function, as_function  # TF's own path, for contrast
+    assert float(kungfu.all_reduce(tf.constant([2.0]), name="op_by_op")[0]) == 2.0

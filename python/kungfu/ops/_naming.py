@@ -41,22 +41,32 @@ TF internals relied on (checked by tests/test_ops_naming.py, which fails clearly
 changes them): the class names of control-flow FuncGraphs, FuncGraph.outer_graph,
 Graph.unique_name, control_flow_util.GraphOrParentsInXlaContext (the check is skipped without it),
 and, to order calls of functions holding collectives (end of this file),
-auto_control_deps.register_acd_resource_resolver, Graph._get_function and its result's .graph; and
-AutoGraph's mark on the functions it calls as they are (no_autograph).
+auto_control_deps.register_acd_resource_resolver, Graph._get_function and its result's .graph;
+AutoGraph's mark on the functions it calls as they are (no_autograph); and, for eager collectives (ops()),
+pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction and context.context()._handle.
 """
 
 import collections
 import contextlib
+import os
 import re
 import threading
 import weakref
 
 import tensorflow as tf
 
+from .. import _lib
+
 try:
     from tensorflow.python.ops.control_flow_util import GraphOrParentsInXlaContext as _in_xla
 except ImportError:  # a TF without it: the raw XLA error stands (tests/test_ops_naming.py fails)
     _in_xla = None
+try:
+    from tensorflow.python import pywrap_tfe as _pywrap_tfe
+    from tensorflow.python.eager import context as _eager_context
+    _set_op_as_function = _pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction
+except (ImportError, AttributeError):  # a TF without them: eager ops run as TF runs them (the test fails)
+    _set_op_as_function = None
 
 # Graphs TF builds for control-flow bodies; their names carry a process-wide uid.
 CONTROL_FLOW_GRAPHS = frozenset({"WhileCondFuncGraph", "WhileBodyFuncGraph", "CondBranchFuncGraph"})
@@ -65,6 +75,8 @@ _lock = threading.Lock()
 _key_scopes = threading.local()  # .scope: the key scopes entered on this thread, joined by "/"
 _numbered_keys = weakref.WeakKeyDictionary()  # tf.function graph -> Counter of numbered() keys
 _explicit_names = weakref.WeakKeyDictionary()  # tf.function graph -> {explicit name: [_arms of each use]}
+_op_by_op_views = {}  # generated op module -> its _OpByOp view (one module per loaded library)
+_OP_BY_OP = os.environ.get("KUNGFU_EAGER_OP_BY_OP", "1").strip() != "0"  # see ops()
 _token_variable = None  # eager calls' token, created on first use
 _eager_keys = {}  # key -> the key as an eager string tensor
 _MAX_EAGER_KEYS = 4096  # past this many distinct names the cache starts over
@@ -142,6 +154,53 @@ def call_inputs(op, name):
     tf.executing_eagerly() is asked once here: an eager collective pays for each Python call."""
     eager = tf.executing_eagerly()
     return key_tensor(op, name, eager), token(eager), eager
+
+
+def ops(eager):
+    """The generated op wrappers (kf_all_reduce, ...) for a call that call_inputs() found eager or not.
+
+    Eagerly, a view of them that runs each op through TensorFlow's op-by-op eager path. TF 2.21 runs
+    every eager op as a one-op function: Python makes its context with run_eager_op_as_function on and
+    offers no switch, and each call then goes through the function runtime (looking up the op's cached
+    function kernel alone took a tenth of an eager 4 KiB all_reduce's CPU time on 2 workers). The C API
+    keeps the op-by-op path, which is the default of contexts it makes, and a setter for the flag. Each
+    eager collective turns the flag off just for its own dispatch and back on after it (the two calls cost
+    under 1 us): about 10-15 us less CPU per call on the 2-core VM, where blocks of back-to-back eager
+    4 KiB all_reduces, with and without, took 34-51 against 47-73 us a call on one worker and 98-109
+    against 93-133 us on two (README, Allreduce). Another thread's eager op dispatched in that window also
+    runs op by op, which TF supports for every op; only the speed differs. KUNGFU_EAGER_OP_BY_OP=0 keeps
+    TF's default. In a graph the ops are only built, so nothing changes there."""
+    module = _lib.op_module()
+    if not eager or _set_op_as_function is None or not _OP_BY_OP:
+        return module
+    view = _op_by_op_views.get(module)
+    if view is None:
+        view = _op_by_op_views.setdefault(module, _OpByOp(module))
+    return view
+
+
+class _OpByOp:
+    """A generated op module's functions, each run with run_eager_op_as_function off (see ops())."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):  # first use of each op; then the instance attribute set here is found
+        module = self._module
+        getattr(module, name)  # AttributeError now for an op the module lacks
+
+        def run(*args, **kwargs):
+            fn = getattr(module, name)  # looked up per call, so that what replaces it there (a test's spy) runs
+            handle = _eager_context.context()._handle
+            _set_op_as_function(handle, False)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                _set_op_as_function(handle, True)  # TF's setting for every context Python makes
+
+        run.__name__ = name
+        setattr(self, name, run)
+        return run
 
 
 def key_tensor(op, name, eager=None):

@@ -68,7 +68,7 @@ def all_reduce(x, op="sum", name=None):
     _lib.require_init("kungfu.all_reduce")
     x = _tensor(x, REDUCE_DTYPES, "all_reduce")
     key, token, eager = _naming.call_inputs("all_reduce", name)
-    return _lib.op_module().kf_all_reduce(x, key, token, reduce_op=op, blocking=eager)
+    return _naming.ops(eager).kf_all_reduce(x, key, token, reduce_op=op, blocking=eager)
 
 
 @_no_autograph
@@ -93,8 +93,8 @@ def group_all_reduce(xs, op="sum", name=None, fusion_bytes=None, _layout=0):
     # An empty list still meets the other workers (as one empty tensor), so that a worker whose list is
     # empty while another's is not fails with the others instead of returning at once, which would pair
     # its next group with their current one.
-    outs = _lib.op_module().kf_group_all_reduce(xs or [tf.zeros([0], tf.float32)], key, token, reduce_op=op,
-                                                blocking=eager, **extra)
+    outs = _naming.ops(eager).kf_group_all_reduce(xs or [tf.zeros([0], tf.float32)], key, token, reduce_op=op,
+                                                  blocking=eager, **extra)
     return list(outs) if xs else []
 
 
@@ -134,9 +134,9 @@ def group_all_reduce_with_norms(xs, norms=True, op="sum", name=None, fusion_byte
     norms = tf.convert_to_tensor(norms, tf.bool)
     key, token, eager = _naming.call_inputs("group_all_reduce", name)
     extra = _layout_extra(fusion_bytes, _layout)
-    outs, local_sq, reduced_sq = _lib.op_module().kf_group_all_reduce_norms(xs, norms, key, token,
-                                                                            reduce_op=op, blocking=eager,
-                                                                            **extra)
+    outs, local_sq, reduced_sq = _naming.ops(eager).kf_group_all_reduce_norms(xs, norms, key, token,
+                                                                              reduce_op=op, blocking=eager,
+                                                                              **extra)
     return list(outs), local_sq, reduced_sq
 
 
@@ -159,7 +159,7 @@ def broadcast(x, root=0, name=None):
     root = check_root(root, "broadcast")
     x = _tensor(x, COPY_DTYPES, "broadcast")
     key, token, eager = _naming.call_inputs("broadcast", name)
-    return _lib.op_module().kf_broadcast(x, key, token, root=root, blocking=eager)
+    return _naming.ops(eager).kf_broadcast(x, key, token, root=root, blocking=eager)
 
 
 @_no_autograph
@@ -173,7 +173,7 @@ def all_gather(x, name=None):
     _lib.require_init("kungfu.all_gather")
     x = _tensor(x, COPY_DTYPES, "all_gather")
     key, token, eager = _naming.call_inputs("all_gather", name)
-    return _lib.op_module().kf_all_gather(x, key, token, blocking=eager)
+    return _naming.ops(eager).kf_all_gather(x, key, token, blocking=eager)
 
 
 @_no_autograph
@@ -181,7 +181,7 @@ def barrier(name=None):
     """Waits until every worker has reached this barrier. Returns None eagerly, the op in a graph."""
     _lib.require_init("kungfu.barrier")
     key, token, eager = _naming.call_inputs("barrier", name)
-    return _lib.op_module().kf_barrier(key, token, blocking=eager)
+    return _naming.ops(eager).kf_barrier(key, token, blocking=eager)
 
 
 @_no_autograph
@@ -190,4 +190,4 @@ def consensus(x, name=None):
     _lib.require_init("kungfu.consensus")
     x = _tensor(x, COPY_DTYPES, "consensus")
     key, token, eager = _naming.call_inputs("consensus", name)
-    return _lib.op_module().kf_consensus(x, key, token, blocking=eager)
+    return _naming.ops(eager).kf_consensus(x, key, token, blocking=eager)
