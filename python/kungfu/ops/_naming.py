@@ -168,8 +168,10 @@ def ops(eager):
     under 1 us): about 10-15 us less CPU per call on the 2-core VM, where blocks of back-to-back eager
     4 KiB all_reduces, with and without, took 34-51 against 47-73 us a call on one worker and 98-109
     against 93-133 us on two (README, Allreduce). Another thread's eager op dispatched in that window also
-    runs op by op, which TF supports for every op; only the speed differs. KUNGFU_EAGER_OP_BY_OP=0 keeps
-    TF's default. In a graph the ops are only built, so nothing changes there."""
+    runs op by op, the path every context made through TF's C API takes by default: its result is the same,
+    only its speed and its error's wording differ (no "{{function_node __wrapped__<Op>...}}" prefix, as for
+    the collectives now). KUNGFU_EAGER_OP_BY_OP=0 keeps TF's default. In a graph the ops are only built, so
+    nothing changes there."""
     module = _lib.op_module()
     if not eager or _set_op_as_function is None or not _OP_BY_OP:
         return module
