@@ -13,10 +13,12 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <new>
 #include <string>
 
+#include "cc/dlpack.h"
 #include "cc/engine.h"
 
 namespace kungfu {
@@ -175,6 +177,89 @@ int kungfu_all_reduce(const void* in, void* out, int64_t count, int dtype, int o
   return kungfu::Report(e->AllReduceSync(in, out, count, static_cast<kungfu::DType>(dtype),
                                          static_cast<kungfu::ReduceOp>(op), name ? name : "c_api"),
                         err, err_len);
+}
+
+namespace {
+using kungfu::dlpack::DLManagedTensor;
+
+constexpr size_t kDataAlign = 64;  // TF's EIGEN_MAX_ALIGN_BYTES: its kernels may assume it of any tensor
+
+// Whether t's strides (null: compact) describe compact row-major data; dimensions of size 1 may carry any.
+bool Compact(const kungfu::dlpack::DLTensor& t) {
+  if (t.strides == nullptr) return true;
+  int64_t expected = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    if (t.shape[d] != 1 && t.strides[d] != expected) return false;
+    expected *= t.shape[d];
+  }
+  return true;
+}
+
+void FreeDLManaged(DLManagedTensor* self) { std::free(self->manager_ctx); }
+
+// One block: the data (first, aligned), then the DLManagedTensor, then its shape. null if out of memory.
+DLManagedTensor* NewDLManaged(const kungfu::dlpack::DLTensor& like, int64_t nbytes) {
+  const size_t data_bytes = (static_cast<size_t>(nbytes) + kDataAlign - 1) / kDataAlign * kDataAlign;
+  const size_t total = data_bytes + sizeof(DLManagedTensor) + sizeof(int64_t) * static_cast<size_t>(like.ndim);
+  void* block = nullptr;
+  if (posix_memalign(&block, kDataAlign, total) != 0) return nullptr;
+  char* base = static_cast<char*>(block);
+  auto* t = reinterpret_cast<DLManagedTensor*>(base + data_bytes);
+  auto* shape = reinterpret_cast<int64_t*>(base + data_bytes + sizeof(DLManagedTensor));
+  for (int d = 0; d < like.ndim; ++d) shape[d] = like.shape[d];
+  t->dl_tensor = like;
+  t->dl_tensor.data = base;
+  t->dl_tensor.shape = shape;
+  t->dl_tensor.strides = nullptr;
+  t->dl_tensor.byte_offset = 0;
+  t->manager_ctx = block;
+  t->deleter = &FreeDLManaged;
+  return t;
+}
+}  // namespace
+
+int kungfu_all_reduce_dlpack(const void* in, int op, const char* name, void** out, char* err, int err_len) {
+  const auto* managed = static_cast<const DLManagedTensor*>(in);
+  if (managed == nullptr || out == nullptr || !kungfu::IsValidReduceOp(static_cast<uint8_t>(op))) return -1;
+  const kungfu::dlpack::DLTensor& t = managed->dl_tensor;
+  kungfu::DType dtype;
+  if (t.device.device_type != kungfu::dlpack::kDLCPU || !kungfu::dlpack::ToEngineDType(t.dtype, &dtype) ||
+      t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr) || !Compact(t)) {
+    return -1;
+  }
+  int64_t count = 1;
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] < 0) return -1;
+    if (t.shape[d] > 0 && count > std::numeric_limits<int64_t>::max() / 8 / t.shape[d]) return -1;
+    count *= t.shape[d];
+  }
+  auto e = kungfu::GlobalEngine();
+  if (!e) return kungfu::Report(kungfu::FailedPrecondition(kungfu::NoEngineReason()), err, err_len);
+  DLManagedTensor* result = NewDLManaged(t, count * static_cast<int64_t>(kungfu::DTypeSize(dtype)));
+  if (result == nullptr) {
+    return kungfu::Report(kungfu::ResourceExhausted("out of memory for the all-reduce's result"), err, err_len);
+  }
+  const char* data = static_cast<const char*>(t.data) + t.byte_offset;
+  const Status s = e->AllReduceSync(data, result->dl_tensor.data, count, dtype, static_cast<kungfu::ReduceOp>(op),
+                                    name ? name : "c_api", kungfu::ShapeSignature(t.shape, t.ndim));
+  if (!s.ok()) {
+    result->deleter(result);
+    *out = nullptr;
+    return kungfu::Report(s, err, err_len);
+  }
+  *out = result;
+  return 0;
+}
+
+void kungfu_dlpack_free(void* tensor) {
+  auto* t = static_cast<DLManagedTensor*>(tensor);
+  if (t != nullptr && t->deleter != nullptr) t->deleter(t);
+}
+
+int kungfu_barrier(const char* name, char* err, int err_len) {
+  auto e = kungfu::GlobalEngine();
+  if (!e) return kungfu::Report(kungfu::FailedPrecondition(kungfu::NoEngineReason()), err, err_len);
+  return kungfu::Report(e->BarrierSync(name ? name : "c_api"), err, err_len);
 }
 
 }  // extern "C"

@@ -43,6 +43,19 @@ void kungfu_free(void* p);
 /* A blocking float32/int allreduce for tests and tools: dtype and op as in cc/dtype.h wire values. */
 int kungfu_all_reduce(const void* in, void* out, int64_t count, int dtype, int op, const char* name, char* err,
                       int err_len);
+/* The eager path of kungfu.all_reduce (python/kungfu/ops/_direct.py). in: a DLManagedTensor (the pointer a
+ * "dltensor" capsule holds, as tf.experimental.dlpack.to_dlpack makes it); it stays the caller's. Reduces it
+ * with op (a cc/dtype.h wire value) under name, blocking, into a new compact tensor of the same dtype and
+ * shape, its data 64-byte aligned, which *out receives: a DLManagedTensor whose deleter frees it (hand it to a
+ * framework's from_dlpack, or to kungfu_dlpack_free). The shape's signature is checked across workers as the
+ * TF kernels check it, so eager and graph calls of one collective meet. Returns 0; -1 when in is not a compact
+ * CPU tensor of a dtype the engine reduces, or op is not a reduce op (nothing started, *out left alone: the
+ * caller runs the TF op instead); else a status code, the message in err, *out null. */
+int kungfu_all_reduce_dlpack(const void* in, int op, const char* name, void** out, char* err, int err_len);
+/* Frees a tensor from kungfu_all_reduce_dlpack that was never handed on. */
+void kungfu_dlpack_free(void* tensor);
+/* The eager path of kungfu.barrier: waits, blocking, until every worker has reached the barrier name. */
+int kungfu_barrier(const char* name, char* err, int err_len);
 
 #ifdef __cplusplus
 }  // extern "C"

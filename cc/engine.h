@@ -100,8 +100,8 @@ class Engine {
   const EngineConfig& config() const;
 
   // out = reduce(in over workers). in == out is allowed. kMean divides by size().
-  // shape_sig, when nonzero, is a hash of the caller's tensor shape: workers whose element counts
-  // agree but whose shapes differ ([2,3] against [6]) then fail with InvalidArgument too.
+  // shape_sig, when nonzero, is a hash of the caller's tensor shape (ShapeSignature): workers whose element
+  // counts agree but whose shapes differ ([2,3] against [6]) then fail with InvalidArgument too.
   void AllReduce(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name,
                  DoneCallback done, uint32_t shape_sig = 0);
   // buf on root is sent; on the others it is overwritten. Every worker finishes only once every
@@ -159,13 +159,18 @@ class Engine {
   // packing): runs one non-blocking loop iteration here, so those already submitted go out meanwhile.
   void Progress();
 
-  // Synchronous helpers for tests and the C API: run one collective and wait for it (with RunAndWait).
-  Status AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name);
+  // Synchronous helpers for tests and the C API (eager Python calls): run one collective and wait for it
+  // (with RunAndWait).
+  Status AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name,
+                       uint32_t shape_sig = 0);
+  Status BarrierSync(const std::string& name);
 
   class Impl;
 
  private:
   explicit Engine(std::unique_ptr<Impl> impl);
+  // Runs submit(done) under RunAndWait and returns the status done received.
+  Status RunSync(const std::function<void(DoneCallback)>& submit);
   std::unique_ptr<Impl> impl_;
 };
 
@@ -173,5 +178,10 @@ class Engine {
 // KUNGFU_SPIN_US into config, leaving fields whose variable is unset. Bad values are an InvalidArgument naming
 // the variable.
 Status ApplyEnvOverrides(EngineConfig* config);
+
+// The shape_sig of a tensor of ndims dimensions: FNV-1a over the rank and each dimension (8 bytes each,
+// little end first), never 0 (0 means "not checked"). The TF kernels and the C API's DLPack path both use
+// it, so an eager call and a graph call of one collective agree on it.
+uint32_t ShapeSignature(const int64_t* dims, int ndims);
 
 }  // namespace kungfu

@@ -152,13 +152,12 @@ void Engine::Progress() {
   if (impl_->config().caller_drives) impl_->loop().PollOnce();
 }
 
-Status Engine::AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
-                             const std::string& name) {
+Status Engine::RunSync(const std::function<void(DoneCallback)>& submit) {
   std::atomic<bool> finished{false};
   Status result;
   RunAndWait(
       [&] {
-        AllReduce(in, out, count, dtype, op, name, [&](const Status& s) {
+        submit([&](const Status& s) {
           result = s;
           finished = true;
           WakeWaiters();
@@ -166,6 +165,28 @@ Status Engine::AllReduceSync(const void* in, void* out, int64_t count, DType dty
       },
       [&] { return finished.load(); });  // the engine guarantees a callback by the op's deadline
   return result;
+}
+
+Status Engine::AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op,
+                             const std::string& name, uint32_t shape_sig) {
+  return RunSync([&](DoneCallback done) { AllReduce(in, out, count, dtype, op, name, std::move(done), shape_sig); });
+}
+
+Status Engine::BarrierSync(const std::string& name) {
+  return RunSync([&](DoneCallback done) { Barrier(name, std::move(done)); });
+}
+
+uint32_t ShapeSignature(const int64_t* dims, int ndims) {
+  uint32_t h = 2166136261u;
+  auto mix = [&h](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint8_t>(v >> (8 * i));
+      h *= 16777619u;
+    }
+  };
+  mix(ndims);
+  for (int d = 0; d < ndims; ++d) mix(dims[d]);
+  return h | 1u;
 }
 
 namespace {

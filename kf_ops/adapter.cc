@@ -126,16 +126,8 @@ void CollectiveKernel::ComputeAsync(OpKernelContext* ctx, DoneCallback done) {
 std::string Describe(const char* what, const std::string& name) { return std::string(what) + " '" + name + "'"; }
 
 uint32_t ShapeSignature(const tensorflow::TensorShape& shape) {
-  uint32_t h = 2166136261u;  // FNV-1a over the rank and each dimension
-  auto mix = [&h](int64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= static_cast<uint8_t>(v >> (8 * i));
-      h *= 16777619u;
-    }
-  };
-  mix(shape.dims());
-  for (int d = 0; d < shape.dims(); ++d) mix(shape.dim_size(d));
-  return h | 1u;  // 0 means "not checked"
+  const auto dims = shape.dim_sizes();  // int64_t each
+  return kungfu::ShapeSignature(dims.data(), shape.dims());
 }
 
 uint32_t CombineSignatures(uint32_t a, uint32_t b) { return ((a * 16777619u) ^ b) | 1u; }

@@ -44,8 +44,8 @@ struct BufferView {
 };
 absl::Status ViewOf(const Tensor& t, BufferView* out);
 
-// A nonzero hash of a shape, carried in every frame so workers whose tensors have equal element
-// counts but different shapes ([2,3] against [6]) fail with InvalidArgument.
+// A nonzero hash of a shape (kungfu::ShapeSignature), carried in every frame so workers whose tensors have
+// equal element counts but different shapes ([2,3] against [6]) fail with InvalidArgument.
 uint32_t ShapeSignature(const tensorflow::TensorShape& shape);
 // Combines signatures in order (a fused bucket's members).
 uint32_t CombineSignatures(uint32_t a, uint32_t b);

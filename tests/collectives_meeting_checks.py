@@ -15,6 +15,7 @@ import tensorflow as tf
 
 import kungfu
 from kungfu import _lib
+from kungfu.ops import _direct
 
 import mp
 from collective_values import assert_equal, data, expected_reduce
@@ -32,6 +33,17 @@ def invalid_argument_problem(fn, *words):
     except tf.errors.OpError as e:
         return f"{type(e).__name__} instead of InvalidArgumentError: {e.message}"
     return "no error"
+
+
+def through_the_op_on(this_worker, fn):
+    """fn(), with eager all_reduce and barrier running the TF op on this worker (if true) instead of going
+    around TF's dispatch (kungfu/ops/_direct.py)."""
+    enabled = _direct.ENABLED
+    _direct.ENABLED = enabled and not this_worker
+    try:
+        return fn()
+    finally:
+        _direct.ENABLED = enabled
 
 
 @check
@@ -80,6 +92,11 @@ def mismatches_fail_on_every_worker():
         # must never receive a uint8's 255).
         "broadcast byte dtype": (lambda: kungfu.broadcast(np.zeros([3], np.bool_ if odd else np.uint8),
                                                           name="mm/bbytes"), ["mm/bbytes", "dtype"]),
+        # An eager all_reduce around TF's dispatch (kungfu/ops/_direct.py) against the op on rank 1: the same
+        # shape check.
+        "all_reduce shape, direct against the op": (lambda: through_the_op_on(
+            odd, lambda: kungfu.all_reduce(np.zeros([3, 2] if odd else [2, 3], np.float32), name="mm/dshape")),
+            ["mm/dshape", "another shape"]),
         # One name for two collectives: all_gather's first step (the shapes) runs under the name itself.
         "all_gather against all_reduce": (lambda: (kungfu.all_gather if odd else kungfu.all_reduce)(
             np.zeros([2], np.float32), name="mm/kind"), ["mm/kind", "two different collectives"]),

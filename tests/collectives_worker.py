@@ -23,6 +23,7 @@ import tensorflow as tf  # noqa: E402
 import kungfu  # noqa: E402
 
 import collectives_meeting_checks  # noqa: E402
+from collectives_meeting_checks import through_the_op_on  # noqa: E402
 from collective_values import (BIG, COPY_DTYPES, REDUCE_DTYPES, REDUCE_OPS, assert_equal, data,  # noqa: E402
                                expected_reduce)
 
@@ -43,6 +44,18 @@ def all_reduce_values_eager():
     for dtype, op, shape in matrix():
         y = kungfu.all_reduce(data(rank, shape, dtype, op), op=op)
         assert_equal(y, expected_reduce(shape, dtype, op, size), f"{dtype.name} {op} {shape}")
+
+
+@check
+def eager_all_reduce_around_tf_meets_the_op():
+    """Eagerly, all_reduce and barrier go around TF's op dispatch (kungfu/ops/_direct.py) unless a tape or an
+    op callback watches; here odd ranks run the TF op instead, so each path meets the other, values exact."""
+    rank, size = kungfu.rank(), kungfu.size()
+    for dtype, op, shape in matrix():
+        y = through_the_op_on(rank % 2 == 1, lambda: kungfu.all_reduce(data(rank, shape, dtype, op), op=op,
+                                                                        name="direct/meets/op"))
+        assert_equal(y, expected_reduce(shape, dtype, op, size), f"{dtype.name} {op} {shape}")
+        through_the_op_on(rank % 2 == 0, lambda: kungfu.barrier(name="direct/meets/op/barrier"))
 
 
 @check

@@ -17,6 +17,7 @@ import tensorflow as tf
 import kungfu
 from kungfu import _lib
 from kungfu import errors
+from kungfu.ops import _direct, _naming
 
 pytestmark = pytest.mark.usefixtures("kungfu_library")  # fails, naming the fix, when it is not built
 
@@ -73,8 +74,15 @@ class SizeOneTest(tf.test.TestCase):
         try:
             for name in ops:
                 setattr(module, name, spy(name))
-            every_collective()
+            _direct.ENABLED = False  # eager all_reduce and barrier run the op (else they go around it)
+            try:
+                every_collective()
+            finally:
+                _direct.ENABLED = True
             self.assertEqual(seen, [(name, True) for name in ops])
+            seen.clear()
+            every_collective()  # the same, but all_reduce and barrier skip TF's dispatch
+            self.assertEqual(seen, [(name, True) for name in ops if name not in ("kf_all_reduce", "kf_barrier")])
             seen.clear()
             graph = tf.function(every_collective).get_concrete_function().graph
             self.assertEqual(seen, [(name, False) for name in ops])
@@ -95,6 +103,75 @@ class SizeOneTest(tf.test.TestCase):
                     y = kungfu.all_reduce(x, op=op)
                     self.assertEqual(y.dtype, dtype)
                     self.assertAllEqual(y, x, msg=f"{dtype.name} {op} {shape}")
+
+    def test_eager_all_reduce_around_tf_gives_what_the_op_gives(self):
+        """Eagerly, with nothing watching, all_reduce hands the tensor to the engine as DLPack (_direct.py): the
+        result is a new tensor of the same dtype and shape, aligned as TF's own, equal to the op's."""
+        for dtype in REDUCE_DTYPES:
+            for shape in [[], [0], [1], [7], [3, 5], [2, 0, 4], [1000]]:
+                x = sample(shape, dtype)
+                direct = _direct.all_reduce(x, "sum", "direct/values")
+                self.assertIsNotNone(direct)
+                _direct.ENABLED = False
+                try:
+                    by_op = kungfu.all_reduce(x, name="direct/values")
+                finally:
+                    _direct.ENABLED = True
+                self.assertEqual((direct.dtype, direct.shape), (dtype, x.shape))
+                self.assertAllEqual(direct, by_op, msg=f"{dtype.name} {shape}")
+                if shape and int(np.prod(shape)):
+                    self.assertEqual(direct._numpy().ctypes.data % 64, 0)  # TF's kernels may assume it
+                    self.assertNotEqual(direct._numpy().ctypes.data, x._numpy().ctypes.data)  # not the input
+                self.assertAllEqual(direct * 2, x * 2)  # an ordinary TF tensor from here on
+
+    def test_watched_eager_all_reduce_runs_the_op(self):
+        """A tape must record the op for the gradient, an op callback must see it: then the op runs."""
+        module = _lib.op_module()
+        original, calls = module.kf_all_reduce, []
+
+        def spy(*args, **kwargs):
+            calls.append(1)
+            return original(*args, **kwargs)
+
+        x = tf.constant([1.0, 2.0])
+        self.assertTrue(_naming.unobserved())
+        module.kf_all_reduce = spy
+        try:
+            kungfu.all_reduce(x)
+            self.assertEqual(calls, [])
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                self.assertFalse(_naming.unobserved())
+                y = kungfu.all_reduce(x * x)
+            self.assertEqual(len(calls), 1)
+            self.assertAllEqual(tape.gradient(y, x), [2.0, 4.0])  # its all_reduce runs the op too
+            self.assertEqual(len(calls), 2)
+            with tf.autodiff.ForwardAccumulator(x, tf.ones([2])):
+                self.assertFalse(_naming.unobserved())
+            tf.debugging.enable_check_numerics()  # an op callback
+            try:
+                self.assertFalse(_naming.unobserved())
+                kungfu.all_reduce(x)
+            finally:
+                tf.debugging.disable_check_numerics()
+            self.assertEqual(len(calls), 3)
+            self.assertTrue(_naming.unobserved())
+        finally:
+            module.kf_all_reduce = original
+
+    def test_eager_all_reduce_around_tf_does_not_leak(self):
+        """Each result's buffer comes from the engine and is freed when TF frees the tensor."""
+        def rss_mb():
+            with open("/proc/self/statm") as f:
+                return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+        x = tf.ones([1 << 18])  # 1 MiB
+        for _ in range(20):
+            kungfu.all_reduce(x, name="direct/leak")
+        before = rss_mb()
+        for _ in range(500):  # 500 MiB of results, were they kept
+            kungfu.all_reduce(x, name="direct/leak")
+        self.assertLess(rss_mb() - before, 100)
 
     def test_all_reduce_in_function_keeps_static_shape(self):
         @tf.function

@@ -298,3 +298,15 @@ def test_eager_collectives_run_op_by_op_and_leave_tf_as_it_was():
     as_function = refused(_lib.op_module())
     assert "__wrapped__KfAllReduce" in as_function, as_function  # TF's own path, for contrast
     assert float(kungfu.all_reduce(tf.constant([2.0]), name="op_by_op")[0]) == 2.0
+
+
+def test_eager_all_reduce_knows_when_tf_watches():
+    """An eager all_reduce goes around TF's op dispatch only while no tape and no op callback would see the op
+    (_naming.unobserved(), kungfu/ops/_direct.py); it asks TF through private APIs."""
+    assert _naming._tape_set_is_empty is not None, (
+        "tensorflow.python.pywrap_tfe.TFE_Py_TapeSetIsEmpty or Context.op_callbacks is gone: every eager "
+        "all_reduce and barrier runs the TF op again, slower (kungfu/ops/_naming.py, unobserved())")
+    assert _naming.unobserved()
+    with tf.GradientTape():
+        assert not _naming.unobserved()
+    assert _naming.unobserved()

@@ -4,9 +4,9 @@ results: {series: {np: {nbytes: median seconds}}}, where a missing entry means t
 Algorithm bandwidth is size / time; bus bandwidth scales it by 2(n-1)/n, the share of the data each rank must
 send in a bandwidth-optimal allreduce, so it is comparable across n and with the raw ring ceiling.
 
-The ratios and targets compare one series of ours with the baselines: the TF op (what a user's code pays) when
-it was measured, else the bare engine (--systems=engine on a machine without TensorFlow), which the report then
-says, since the engine's figures leave out the op's overhead.
+The ratios and targets compare one series of ours with the baselines: the eager kungfu.all_reduce (what a user's
+code pays) when it was measured, else the bare engine (--systems=engine on a machine without TensorFlow), which
+the report then says, since the engine's figures leave out what TensorFlow and the Python wrapper add.
 """
 import statistics
 
@@ -158,7 +158,8 @@ def render(results, nps, sizes, meta, failures):
               '## Ratios (%s against each baseline; x = how many times faster)' % ours, '']
     if ours != OURS:
         parts += ['%s was not measured, so these ratios and the targets below are those of %s: the bare engine '
-                  'through its C API, without the TF op\'s overhead that a user\'s code pays.' % (OURS, ours), '']
+                  'through its C API, without what TensorFlow and the Python wrapper add to a user\'s call.'
+                  % (OURS, ours), '']
     parts += [ratio_table(results, nps, sizes, ours), '']
     if any((o := _get(results, ours, np, n)) and (r := _get(results, S.RAW_RING, np, n)) and r > o
            for np in nps for n in sizes):

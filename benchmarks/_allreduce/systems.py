@@ -1,7 +1,8 @@
 """What each measured system runs: the commands and environments for one launch of np ranks.
 
 Every launch measures all sizes in one go (start-up is paid once) and writes rank*.json into out_dir; a launch
-may produce several series (the kungfu worker times the TF op and the bare engine in the same processes).
+may produce several series (the kungfu worker times the eager kungfu.all_reduce and the bare engine in the same
+processes).
 
 Nothing here imports TensorFlow, kungfu or mpi4py: whether a system can run is asked (System.missing) only for
 the systems chosen, so `--systems=engine,raw,mpi_tcp` runs on a machine that has none of the three.
@@ -18,7 +19,7 @@ from _allreduce import harness
 from _allreduce import launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-KUNGFU_OP = 'kungfu (tf eager op)'
+KUNGFU_OP = 'kungfu (eager all_reduce)'
 KUNGFU_ENGINE = 'kungfu (engine)'
 KUNGFU_ENGINE_NOTF = 'kungfu (engine, no TF)'
 MPI_DEFAULT = 'OpenMPI (default)'

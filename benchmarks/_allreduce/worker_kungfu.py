@@ -1,6 +1,7 @@
-"""KungFu, started by its launcher: times kungfu.all_reduce as an eager TF op (the headline: what a user's
-code pays) and, in the same processes, the engine's blocking C call through ctypes (no TF in the path), so
-the gap between the two series is the TF op overhead."""
+"""KungFu, started by its launcher: times kungfu.all_reduce called eagerly (the headline: what a user's code
+pays; since 2026-11-28 it hands the tensor to the engine as DLPack instead of dispatching the TF op,
+kungfu/ops/_direct.py) and, in the same processes, the engine's blocking C call through ctypes on numpy
+buffers, so the gap between the two series is what TensorFlow and the Python wrapper add."""
 import os
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
@@ -11,12 +12,12 @@ import kungfu  # noqa: E402
 import harness  # noqa: E402
 from engine_capi import EngineCollective  # noqa: E402
 
-OP_SERIES = 'kungfu (tf eager op)'
+OP_SERIES = 'kungfu (eager all_reduce)'
 ENGINE_SERIES = 'kungfu (engine)'
 
 
 class OpCollective:
-    """kungfu.all_reduce on a tf.constant, eagerly; the op returns once the reduced tensor is ready.
+    """kungfu.all_reduce on a tf.constant, eagerly; it returns once the reduced tensor is ready.
     Each size has a fixed collective name, as a training step's gradient would."""
 
     def __init__(self):

@@ -77,6 +77,13 @@ def _declare(c):
     c.kungfu_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
                                     ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
     c.kungfu_all_reduce.restype = ctypes.c_int
+    c.kungfu_all_reduce_dlpack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p,
+                                           ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_int]
+    c.kungfu_all_reduce_dlpack.restype = ctypes.c_int
+    c.kungfu_dlpack_free.argtypes = [ctypes.c_void_p]
+    c.kungfu_dlpack_free.restype = None
+    c.kungfu_barrier.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]
+    c.kungfu_barrier.restype = ctypes.c_int
 
 
 def load():
@@ -105,6 +112,12 @@ def op_module():
     """The generated op wrappers (kf_all_reduce, kf_broadcast, ...)."""
     library = _library  # every eager collective comes here: once loaded, skip load()'s lock
     return (library or load()).ops
+
+
+def c_api():
+    """The engine's C API (ctypes), its functions declared."""
+    library = _library  # the eager all_reduce comes here on every call: once loaded, skip load()'s lock
+    return (library or load()).c
 
 
 def init():

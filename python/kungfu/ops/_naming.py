@@ -42,8 +42,10 @@ changes them): the class names of control-flow FuncGraphs, FuncGraph.outer_graph
 Graph.unique_name, control_flow_util.GraphOrParentsInXlaContext (the check is skipped without it),
 and, to order calls of functions holding collectives (end of this file),
 auto_control_deps.register_acd_resource_resolver, Graph._get_function and its result's .graph;
-AutoGraph's mark on the functions it calls as they are (no_autograph); and, for eager collectives (ops()),
-pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction and context.context()._handle.
+AutoGraph's mark on the functions it calls as they are (no_autograph); for eager collectives (ops()),
+pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction and context.context()._handle; and, for the eager all_reduce
+that skips TF's dispatch (unobserved(), _direct.py), pywrap_tfe.TFE_Py_TapeSetIsEmpty and
+context.context().op_callbacks.
 """
 
 import collections
@@ -67,6 +69,12 @@ try:
     _set_op_as_function = _pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction
 except (ImportError, AttributeError):  # a TF without them: eager ops run as TF runs them (the test fails)
     _set_op_as_function = None
+try:  # for the eager all_reduce around TF's dispatch (_direct.py): nothing may watch the op it skips
+    _tape_set_is_empty = _pywrap_tfe.TFE_Py_TapeSetIsEmpty  # no GradientTape, no ForwardAccumulator
+    if not isinstance(getattr(_eager_context.Context, "op_callbacks", None), property):
+        raise AttributeError("op_callbacks")
+except (NameError, AttributeError):  # a TF without them: every eager all_reduce runs the op (the test fails)
+    _tape_set_is_empty = None
 
 # Graphs TF builds for control-flow bodies; their names carry a process-wide uid.
 CONTROL_FLOW_GRAPHS = frozenset({"WhileCondFuncGraph", "WhileBodyFuncGraph", "CondBranchFuncGraph"})
@@ -154,6 +162,17 @@ def call_inputs(op, name):
     tf.executing_eagerly() is asked once here: an eager collective pays for each Python call."""
     eager = tf.executing_eagerly()
     return key_tensor(op, name, eager), token(eager), eager
+
+
+def unobserved():
+    """Whether an eager op run now would be seen by nothing but its caller: no GradientTape or
+    ForwardAccumulator is recording on this thread (TF's own record.could_possibly_record), and no op
+    callback (tf.debugging.experimental.enable_dump_debug_info, check_numerics) is registered. Only then may
+    an eager collective skip TensorFlow's op dispatch (_direct.py): a tape must record the op for its
+    gradient, a callback must see it."""
+    if _tape_set_is_empty is None or not _tape_set_is_empty():
+        return False
+    return not _eager_context.context().op_callbacks
 
 
 def ops(eager):

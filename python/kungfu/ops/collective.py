@@ -13,7 +13,7 @@ import numbers
 import tensorflow as tf
 
 from .. import _lib
-from . import _naming
+from . import _direct, _naming
 
 
 class _DTypes(tuple):
@@ -67,6 +67,10 @@ def all_reduce(x, op="sum", name=None):
     op = _reduce_op(op, "all_reduce")
     _lib.require_init("kungfu.all_reduce")
     x = _tensor(x, REDUCE_DTYPES, "all_reduce")
+    if _direct.ENABLED and tf.executing_eagerly() and _naming.unobserved():  # around TF's dispatch
+        y = _direct.all_reduce(x, op, _naming.collective_key("all_reduce", name, True))
+        if y is not None:
+            return y
     key, token, eager = _naming.call_inputs("all_reduce", name)
     return _naming.ops(eager).kf_all_reduce(x, key, token, reduce_op=op, blocking=eager)
 
@@ -180,6 +184,8 @@ def all_gather(x, name=None):
 def barrier(name=None):
     """Waits until every worker has reached this barrier. Returns None eagerly, the op in a graph."""
     _lib.require_init("kungfu.barrier")
+    if _direct.ENABLED and tf.executing_eagerly() and _naming.unobserved():  # around TF's dispatch
+        return _direct.barrier(_naming.collective_key("barrier", name, True))
     key, token, eager = _naming.call_inputs("barrier", name)
     return _naming.ops(eager).kf_barrier(key, token, blocking=eager)
 
