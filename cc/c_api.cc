@@ -17,6 +17,8 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "cc/dlpack.h"
 #include "cc/engine.h"
@@ -184,6 +186,63 @@ using kungfu::dlpack::DLManagedTensor;
 
 constexpr size_t kDataAlign = 64;  // TF's EIGEN_MAX_ALIGN_BYTES: its kernels may assume it of any tensor
 
+// Result blocks of kungfu_all_reduce_dlpack, kept once their tensor is freed for the next call of the same
+// size: a fresh block of 64 MiB is a fresh mapping from malloc, and faulting its pages in on every call
+// doubled an eager 64 MiB all-reduce's time on the 2-core VM (TF's own allocator keeps its memory too).
+// Blocks under kMinBytes come from malloc's bins anyway. At most kPerSize blocks of one size and kMaxBytes
+// in all are kept; the rest are freed. The pool is never destroyed, so a tensor freed during exit still
+// finds it. In a child forked meanwhile (its lock may have been held by a thread that is gone) blocks
+// bypass it: malloc and free.
+class BlockPool {
+ public:
+  static constexpr size_t kMinBytes = size_t{64} << 10;
+  static constexpr size_t kMaxBytes = size_t{256} << 20;
+  static constexpr size_t kPerSize = 4;
+
+  static BlockPool& Get() {
+    static BlockPool* pool = [] {
+      pthread_atfork(nullptr, nullptr, [] { forked_.store(true); });
+      return new BlockPool;
+    }();
+    return *pool;
+  }
+
+  // A block of bytes (a multiple of kDataAlign) aligned to kDataAlign, or null when out of memory.
+  void* Take(size_t bytes) {
+    if (bytes >= kMinBytes && !forked_.load(std::memory_order_relaxed)) {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.find(bytes);
+      if (it != free_.end() && !it->second.empty()) {
+        void* block = it->second.back();
+        it->second.pop_back();
+        cached_ -= bytes;
+        return block;
+      }
+    }
+    void* block = nullptr;
+    return posix_memalign(&block, kDataAlign, bytes) == 0 ? block : nullptr;
+  }
+
+  void Give(void* block, size_t bytes) {
+    if (bytes >= kMinBytes && !forked_.load(std::memory_order_relaxed)) {
+      std::lock_guard<std::mutex> lock(mu_);
+      std::vector<void*>& same = free_[bytes];
+      if (same.size() < kPerSize && cached_ + bytes <= kMaxBytes) {
+        same.push_back(block);
+        cached_ += bytes;
+        return;
+      }
+    }
+    std::free(block);
+  }
+
+ private:
+  static inline std::atomic<bool> forked_{false};
+  std::mutex mu_;
+  std::unordered_map<size_t, std::vector<void*>> free_;  // block size -> blocks
+  size_t cached_ = 0;                                     // bytes in free_
+};
+
 // Whether t's strides (null: compact) describe compact row-major data; dimensions of size 1 may carry any.
 bool Compact(const kungfu::dlpack::DLTensor& t) {
   if (t.strides == nullptr) return true;
@@ -195,14 +254,21 @@ bool Compact(const kungfu::dlpack::DLTensor& t) {
   return true;
 }
 
-void FreeDLManaged(DLManagedTensor* self) { std::free(self->manager_ctx); }
+// One block: the data (first, aligned), the DLManagedTensor, its shape, then the block's size.
+size_t* BlockSize(DLManagedTensor* t) {
+  return reinterpret_cast<size_t*>(reinterpret_cast<char*>(t) + sizeof(DLManagedTensor) +
+                                   sizeof(int64_t) * static_cast<size_t>(t->dl_tensor.ndim));
+}
 
-// One block: the data (first, aligned), then the DLManagedTensor, then its shape. null if out of memory.
+void FreeDLManaged(DLManagedTensor* self) { BlockPool::Get().Give(self->manager_ctx, *BlockSize(self)); }
+
+// A tensor like `like` (dtype, device, shape) over a new block; null if out of memory.
 DLManagedTensor* NewDLManaged(const kungfu::dlpack::DLTensor& like, int64_t nbytes) {
   const size_t data_bytes = (static_cast<size_t>(nbytes) + kDataAlign - 1) / kDataAlign * kDataAlign;
-  const size_t total = data_bytes + sizeof(DLManagedTensor) + sizeof(int64_t) * static_cast<size_t>(like.ndim);
-  void* block = nullptr;
-  if (posix_memalign(&block, kDataAlign, total) != 0) return nullptr;
+  const size_t head = sizeof(DLManagedTensor) + sizeof(int64_t) * static_cast<size_t>(like.ndim) + sizeof(size_t);
+  const size_t total = data_bytes + (head + kDataAlign - 1) / kDataAlign * kDataAlign;
+  void* block = BlockPool::Get().Take(total);
+  if (block == nullptr) return nullptr;
   char* base = static_cast<char*>(block);
   auto* t = reinterpret_cast<DLManagedTensor*>(base + data_bytes);
   auto* shape = reinterpret_cast<int64_t*>(base + data_bytes + sizeof(DLManagedTensor));
@@ -214,6 +280,7 @@ DLManagedTensor* NewDLManaged(const kungfu::dlpack::DLTensor& like, int64_t nbyt
   t->dl_tensor.byte_offset = 0;
   t->manager_ctx = block;
   t->deleter = &FreeDLManaged;
+  *BlockSize(t) = total;
   return t;
 }
 }  // namespace

@@ -1,6 +1,6 @@
 // The C API's eager entry points (cc/c_api.h) on the process-wide engine of a single worker:
-// kungfu_all_reduce_dlpack (what it takes, what it leaves to the TF op, the tensor it returns) and
-// kungfu_barrier. How eager calls meet other workers' ops is tested from Python (tests/test_collectives_mp.py).
+// kungfu_all_reduce_dlpack (what it takes, what it leaves to the TF op, the tensor it returns and the
+// reuse of its blocks) and kungfu_barrier. How eager calls meet other workers' ops is tested from Python (tests/test_collectives_mp.py).
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -97,6 +97,26 @@ TEST(CApiDLPack, ReducesIntoANewAlignedTensorOfTheSameShape) {
   EXPECT_EQ(r.code, 0);
   if (r.out != nullptr) r.out->deleter(r.out);
   EXPECT_EQ(kungfu_barrier("c_api_test/barrier", err, sizeof(err)), 0);
+  kungfu_finalize();
+}
+
+TEST(CApiDLPack, ResultBlocksAreKeptForTheNextCallOfTheSameSize) {
+  char err[256] = "";
+  ASSERT_EQ(kungfu_init("", 0, "token", 0, 0, err, sizeof(err)), 0);
+  Input big({1 << 18});  // 1 MiB: a block malloc would map afresh each time
+  Result first = Reduce(big);
+  ASSERT_EQ(first.code, 0);
+  void* data = first.out->dl_tensor.data;
+  first.out->deleter(first.out);
+  Result again = Reduce(big);  // the same block, its pages already there
+  ASSERT_EQ(again.code, 0);
+  EXPECT_TRUE(again.out->dl_tensor.data == data);
+  EXPECT_EQ(std::memcmp(again.out->dl_tensor.data, big.data.data(), sizeof(float) << 18), 0);
+  Result other = Reduce(big);  // while the first is alive: another block
+  ASSERT_EQ(other.code, 0);
+  EXPECT_TRUE(other.out->dl_tensor.data != data);
+  again.out->deleter(again.out);
+  other.out->deleter(other.out);
   kungfu_finalize();
 }
 
