@@ -291,15 +291,16 @@ int kungfu_all_reduce_dlpack(const void* in, int op, const char* name, void** ou
   const kungfu::dlpack::DLTensor& t = managed->dl_tensor;
   kungfu::DType dtype;
   if (t.device.device_type != kungfu::dlpack::kDLCPU || !kungfu::dlpack::ToEngineDType(t.dtype, &dtype) ||
-      t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr) || !Compact(t)) {
+      t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr)) {
     return -1;
   }
-  int64_t count = 1;
+  int64_t count = 1;  // bounded so that count * 8 bytes, and Compact()'s products, cannot overflow
   for (int d = 0; d < t.ndim; ++d) {
     if (t.shape[d] < 0) return -1;
     if (t.shape[d] > 0 && count > std::numeric_limits<int64_t>::max() / 8 / t.shape[d]) return -1;
     count *= t.shape[d];
   }
+  if (!Compact(t)) return -1;
   auto e = kungfu::GlobalEngine();
   if (!e) return kungfu::Report(kungfu::FailedPrecondition(kungfu::NoEngineReason()), err, err_len);
   DLManagedTensor* result = NewDLManaged(t, count * static_cast<int64_t>(kungfu::DTypeSize(dtype)));

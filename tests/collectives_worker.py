@@ -52,6 +52,8 @@ def eager_all_reduce_around_tf_meets_the_op():
     op callback watches; here odd ranks run the TF op instead, so each path meets the other, values exact."""
     rank, size = kungfu.rank(), kungfu.size()
     for dtype, op, shape in matrix():
+        if shape == [BIG] and dtype != tf.float32:  # the large values once: all_reduce_values_eager has the rest
+            continue
         y = through_the_op_on(rank % 2 == 1, lambda: kungfu.all_reduce(data(rank, shape, dtype, op), op=op,
                                                                         name="direct/meets/op"))
         assert_equal(y, expected_reduce(shape, dtype, op, size), f"{dtype.name} {op} {shape}")

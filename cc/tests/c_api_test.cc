@@ -1,6 +1,7 @@
 // The C API's eager entry points (cc/c_api.h) on the process-wide engine of a single worker:
 // kungfu_all_reduce_dlpack (what it takes, what it leaves to the TF op, the tensor it returns and the
-// reuse of its blocks) and kungfu_barrier. How eager calls meet other workers' ops is tested from Python (tests/test_collectives_mp.py).
+// reuse of its blocks) and kungfu_barrier. How eager calls meet other workers' ops is tested from Python
+// (tests/test_collectives_mp.py).
 #include <cstdint>
 #include <cstring>
 #include <string>
