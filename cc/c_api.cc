@@ -22,6 +22,7 @@
 
 #include "cc/dlpack.h"
 #include "cc/engine.h"
+#include "cc/tensor_meta.h"
 
 namespace kungfu {
 namespace {
@@ -262,19 +263,20 @@ size_t* BlockSize(DLManagedTensor* t) {
 
 void FreeDLManaged(DLManagedTensor* self) { BlockPool::Get().Give(self->manager_ctx, *BlockSize(self)); }
 
-// A tensor like `like` (dtype, device, shape) over a new block; null if out of memory.
-DLManagedTensor* NewDLManaged(const kungfu::dlpack::DLTensor& like, int64_t nbytes) {
+// A compact tensor of like's dtype and device and the given shape over a new block; null if out of memory.
+DLManagedTensor* NewDLManaged(const kungfu::dlpack::DLTensor& like, const int64_t* dims, int ndim, int64_t nbytes) {
   const size_t data_bytes = (static_cast<size_t>(nbytes) + kDataAlign - 1) / kDataAlign * kDataAlign;
-  const size_t head = sizeof(DLManagedTensor) + sizeof(int64_t) * static_cast<size_t>(like.ndim) + sizeof(size_t);
+  const size_t head = sizeof(DLManagedTensor) + sizeof(int64_t) * static_cast<size_t>(ndim) + sizeof(size_t);
   const size_t total = data_bytes + (head + kDataAlign - 1) / kDataAlign * kDataAlign;
   void* block = BlockPool::Get().Take(total);
   if (block == nullptr) return nullptr;
   char* base = static_cast<char*>(block);
   auto* t = reinterpret_cast<DLManagedTensor*>(base + data_bytes);
   auto* shape = reinterpret_cast<int64_t*>(base + data_bytes + sizeof(DLManagedTensor));
-  for (int d = 0; d < like.ndim; ++d) shape[d] = like.shape[d];
+  for (int d = 0; d < ndim; ++d) shape[d] = dims[d];
   t->dl_tensor = like;
   t->dl_tensor.data = base;
+  t->dl_tensor.ndim = ndim;
   t->dl_tensor.shape = shape;
   t->dl_tensor.strides = nullptr;
   t->dl_tensor.byte_offset = 0;
@@ -283,33 +285,49 @@ DLManagedTensor* NewDLManaged(const kungfu::dlpack::DLTensor& like, int64_t nbyt
   *BlockSize(t) = total;
   return t;
 }
-}  // namespace
 
-int kungfu_all_reduce_dlpack(const void* in, int op, const char* name, void** out, char* err, int err_len) {
+// An input tensor of the DLPack calls, once taken.
+struct Input {
+  const kungfu::dlpack::DLTensor* t = nullptr;
+  kungfu::DType dtype = kungfu::DType::kFloat32;
+  int tf_dtype = 0;      // TF's DataType number (cc/tensor_meta.h); copying collectives only
+  int64_t count = 0;     // elements
+  const char* data = nullptr;
+  int64_t bytes() const { return count * static_cast<int64_t>(kungfu::DTypeSize(dtype)); }
+};
+
+// Whether the C API takes in (a DLManagedTensor): a compact CPU tensor of a dtype the engine reduces or, when
+// copying, also one of those that travel as bytes. Its shape is bounded first, so that its element count
+// times 8 bytes, and Compact()'s products, cannot overflow.
+bool Take(const void* in, bool copying, Input* out) {
   const auto* managed = static_cast<const DLManagedTensor*>(in);
-  if (managed == nullptr || out == nullptr || !kungfu::IsValidReduceOp(static_cast<uint8_t>(op))) return -1;
+  if (managed == nullptr) return false;
   const kungfu::dlpack::DLTensor& t = managed->dl_tensor;
-  kungfu::DType dtype;
-  if (t.device.device_type != kungfu::dlpack::kDLCPU || !kungfu::dlpack::ToEngineDType(t.dtype, &dtype) ||
-      t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr)) {
-    return -1;
+  if (t.device.device_type != kungfu::dlpack::kDLCPU || t.ndim < 0 || (t.ndim > 0 && t.shape == nullptr)) return false;
+  if (copying ? !kungfu::dlpack::ToCopyDType(t.dtype, &out->dtype, &out->tf_dtype)
+              : !kungfu::dlpack::ToEngineDType(t.dtype, &out->dtype)) {
+    return false;
   }
-  int64_t count = 1;  // bounded so that count * 8 bytes, and Compact()'s products, cannot overflow
+  int64_t count = 1;
   for (int d = 0; d < t.ndim; ++d) {
-    if (t.shape[d] < 0) return -1;
-    if (t.shape[d] > 0 && count > std::numeric_limits<int64_t>::max() / 8 / t.shape[d]) return -1;
+    if (t.shape[d] < 0) return false;
+    if (t.shape[d] > 0 && count > std::numeric_limits<int64_t>::max() / 8 / t.shape[d]) return false;
     count *= t.shape[d];
   }
-  if (!Compact(t)) return -1;
-  auto e = kungfu::GlobalEngine();
-  if (!e) return kungfu::Report(kungfu::FailedPrecondition(kungfu::NoEngineReason()), err, err_len);
-  DLManagedTensor* result = NewDLManaged(t, count * static_cast<int64_t>(kungfu::DTypeSize(dtype)));
-  if (result == nullptr) {
-    return kungfu::Report(kungfu::ResourceExhausted("out of memory for the all-reduce's result"), err, err_len);
-  }
-  const char* data = static_cast<const char*>(t.data) + t.byte_offset;
-  const Status s = e->AllReduceSync(data, result->dl_tensor.data, count, dtype, static_cast<kungfu::ReduceOp>(op),
-                                    name ? name : "c_api", kungfu::ShapeSignature(t.shape, t.ndim));
+  if (!Compact(t)) return false;
+  out->t = &t;
+  out->count = count;
+  out->data = static_cast<const char*>(t.data) + t.byte_offset;
+  return true;
+}
+
+int OutOfMemory(const char* what, char* err, int err_len) {
+  return kungfu::Report(kungfu::ResourceExhausted(std::string("out of memory for the ") + what + "'s result"), err,
+                        err_len);
+}
+
+// Hands result to *out when s is OK; frees it otherwise.
+int Finish(const Status& s, DLManagedTensor* result, void** out, char* err, int err_len) {
   if (!s.ok()) {
     result->deleter(result);
     *out = nullptr;
@@ -317,6 +335,87 @@ int kungfu_all_reduce_dlpack(const void* in, int op, const char* name, void** ou
   }
   *out = result;
   return 0;
+}
+}  // namespace
+
+int kungfu_all_reduce_dlpack(const void* in, int op, const char* name, void** out, char* err, int err_len) {
+  Input x;
+  if (out == nullptr || !kungfu::IsValidReduceOp(static_cast<uint8_t>(op)) || !Take(in, false, &x)) return -1;
+  auto e = kungfu::GlobalEngine();
+  if (!e) return kungfu::Report(kungfu::FailedPrecondition(kungfu::NoEngineReason()), err, err_len);
+  DLManagedTensor* result = NewDLManaged(*x.t, x.t->shape, x.t->ndim, x.bytes());
+  if (result == nullptr) return OutOfMemory("all-reduce", err, err_len);
+  return Finish(e->AllReduceSync(x.data, result->dl_tensor.data, x.count, x.dtype, static_cast<kungfu::ReduceOp>(op),
+                                 name ? name : "c_api", kungfu::ShapeSignature(x.t->shape, x.t->ndim)),
+                result, out, err, err_len);
+}
+
+int kungfu_broadcast_dlpack(const void* in, int root, const char* name, void** out, char* err, int err_len) {
+  Input x;
+  if (out == nullptr || !Take(in, true, &x)) return -1;
+  auto e = kungfu::GlobalEngine();
+  if (!e) return kungfu::Report(kungfu::FailedPrecondition(kungfu::NoEngineReason()), err, err_len);
+  const std::string key = name ? name : "c_api";
+  if (root < 0 || root >= e->size()) {
+    return kungfu::Report(kungfu::InvalidArgument("broadcast '" + key + "': root " + std::to_string(root) +
+                                                  " is not a rank of this cluster of size " +
+                                                  std::to_string(e->size())),
+                          err, err_len);
+  }
+  DLManagedTensor* result = NewDLManaged(*x.t, x.t->shape, x.t->ndim, x.bytes());
+  if (result == nullptr) return OutOfMemory("broadcast", err, err_len);
+  if (e->rank() == root && x.bytes() > 0) std::memcpy(result->dl_tensor.data, x.data, static_cast<size_t>(x.bytes()));
+  return Finish(e->BroadcastSync(result->dl_tensor.data, x.count, x.dtype, root, key,
+                                 kungfu::BroadcastSignature(x.t->shape, x.t->ndim, x.tf_dtype)),
+                result, out, err, err_len);
+}
+
+int kungfu_all_gather_dlpack(const void* in, const char* name, void** out, char* err, int err_len) {
+  Input x;
+  if (out == nullptr || !Take(in, true, &x)) return -1;
+  auto e = kungfu::GlobalEngine();
+  if (!e) return kungfu::Report(kungfu::FailedPrecondition(kungfu::NoEngineReason()), err, err_len);
+  const std::string key = name ? name : "c_api";
+  const kungfu::dlpack::DLTensor& t = *x.t;
+  // Step one: every worker's shape record, under the key itself (cc/tensor_meta.h).
+  const std::vector<int64_t> mine = kungfu::GatherRecord(x.tf_dtype, t.shape, t.ndim);
+  std::vector<int64_t> all(mine.size() * static_cast<size_t>(e->size()));
+  Status s = e->AllGatherSync(mine.data(), all.data(), std::vector<int64_t>(e->size(), kungfu::kGatherRecordSize),
+                              kungfu::DType::kInt64, key);
+  if (!s.ok()) return kungfu::Report(s, err, err_len);
+  int64_t row = 1;  // elements per slice along the first dimension
+  for (int d = 1; d < t.ndim; ++d) row *= t.shape[d];
+  int64_t rows = 0;
+  std::vector<int64_t> counts;
+  s = kungfu::CheckGatherRecords(all, row, key, &counts, &rows);
+  if (!s.ok()) return kungfu::Report(s, err, err_len);
+  const int64_t esize = static_cast<int64_t>(kungfu::DTypeSize(x.dtype));
+  if (row > 0 && rows > std::numeric_limits<int64_t>::max() / 8 / row) {
+    return kungfu::Report(kungfu::InvalidArgument("allgather '" + key + "': the result's " + std::to_string(rows) +
+                                                  " rows of " + std::to_string(row) + " elements are too many"),
+                          err, err_len);
+  }
+  // Step two: the data, into a tensor of the concatenated shape (a scalar counts as a one-element vector).
+  std::vector<int64_t> shape(t.shape, t.shape + t.ndim);
+  if (shape.empty()) shape.push_back(rows);
+  else shape[0] = rows;
+  DLManagedTensor* result = NewDLManaged(t, shape.data(), static_cast<int>(shape.size()), rows * row * esize);
+  if (result == nullptr) return OutOfMemory("all-gather", err, err_len);
+  return Finish(e->AllGatherSync(x.data, result->dl_tensor.data, counts, x.dtype, key + "/data"), result, out, err,
+                err_len);
+}
+
+int kungfu_consensus_dlpack(const void* in, const char* name, int* same, char* err, int err_len) {
+  Input x;
+  if (same == nullptr || !Take(in, true, &x)) return -1;
+  auto e = kungfu::GlobalEngine();
+  if (!e) return kungfu::Report(kungfu::FailedPrecondition(kungfu::NoEngineReason()), err, err_len);
+  const std::vector<char> bytes =
+      kungfu::ConsensusBytes(x.tf_dtype, x.t->shape, x.t->ndim, x.data, static_cast<size_t>(x.bytes()));
+  bool agreed = false;
+  const Status s = e->ConsensusSync(bytes.data(), static_cast<int64_t>(bytes.size()), &agreed, name ? name : "c_api");
+  *same = agreed ? 1 : 0;
+  return kungfu::Report(s, err, err_len);
 }
 
 void kungfu_dlpack_free(void* tensor) {

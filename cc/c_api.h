@@ -52,7 +52,18 @@ int kungfu_all_reduce(const void* in, void* out, int64_t count, int dtype, int o
  * CPU tensor of a dtype the engine reduces, or op is not a reduce op (nothing started, *out left alone: the
  * caller runs the TF op instead); else a status code, the message in err, *out null. */
 int kungfu_all_reduce_dlpack(const void* in, int op, const char* name, void** out, char* err, int err_len);
-/* Frees a tensor from kungfu_all_reduce_dlpack that was never handed on. */
+/* The eager paths of kungfu.broadcast, kungfu.all_gather and kungfu.consensus, as kungfu_all_reduce_dlpack's:
+ * in is lent, and they take a compact CPU tensor of a dtype the engine reduces, or uint8, int8 or bool (which
+ * travel as bytes), returning -1 with nothing started otherwise. Dtype and shape are checked across workers
+ * as the TF kernels check them (cc/tensor_meta.h), so eager calls meet graph calls of the same collective.
+ * broadcast: *out, a new tensor like in, holds root's data on every worker (InvalidArgument when root is
+ * not a rank). all_gather: *out holds every worker's in, concatenated along the first dimension in rank order
+ * (a scalar counts as one element; the first dimension may differ between workers). consensus: *same is 1
+ * when every worker passed the same dtype, shape and bytes, else 0. */
+int kungfu_broadcast_dlpack(const void* in, int root, const char* name, void** out, char* err, int err_len);
+int kungfu_all_gather_dlpack(const void* in, const char* name, void** out, char* err, int err_len);
+int kungfu_consensus_dlpack(const void* in, const char* name, int* same, char* err, int err_len);
+/* Frees a tensor from the DLPack calls above that was never handed on. */
 void kungfu_dlpack_free(void* tensor);
 /* The eager path of kungfu.barrier: waits, blocking, until every worker has reached the barrier name. */
 int kungfu_barrier(const char* name, char* err, int err_len);

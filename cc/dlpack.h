@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "cc/dtype.h"
+#include "cc/tensor_meta.h"
 
 namespace kungfu {
 namespace dlpack {
@@ -17,8 +18,10 @@ constexpr int32_t kDLCPU = 1;
 
 // DLDataTypeCode
 constexpr uint8_t kDLInt = 0;
+constexpr uint8_t kDLUInt = 1;
 constexpr uint8_t kDLFloat = 2;
 constexpr uint8_t kDLBfloat = 4;
+constexpr uint8_t kDLBool = 6;
 
 struct DLDevice {
   int32_t device_type;
@@ -59,6 +62,27 @@ inline bool ToEngineDType(const DLDataType& t, DType* out) {
   else if (t.code == kDLInt && t.bits == 64) *out = DType::kInt64;
   else return false;
   return true;
+}
+
+// For the collectives that copy (broadcast, all-gather, consensus): the engine's dtype and TF's DataType
+// number (cc/tensor_meta.h) of a DLPack dtype they take: those the engine reduces, and uint8, int8 and bool,
+// which travel as bytes. False for any other.
+inline bool ToCopyDType(const DLDataType& t, DType* out, int* tf) {
+  if (t.lanes == 1 && t.bits == 8 && (t.code == kDLUInt || t.code == kDLInt || t.code == kDLBool)) {
+    *out = DType::kUInt8;
+    *tf = t.code == kDLUInt ? tf_dtype::kUInt8 : t.code == kDLInt ? tf_dtype::kInt8 : tf_dtype::kBool;
+    return true;
+  }
+  if (!ToEngineDType(t, out)) return false;
+  switch (*out) {
+    case DType::kFloat16: *tf = tf_dtype::kHalf; return true;
+    case DType::kBFloat16: *tf = tf_dtype::kBFloat16; return true;
+    case DType::kFloat32: *tf = tf_dtype::kFloat; return true;
+    case DType::kFloat64: *tf = tf_dtype::kDouble; return true;
+    case DType::kInt32: *tf = tf_dtype::kInt32; return true;
+    case DType::kInt64: *tf = tf_dtype::kInt64; return true;
+    default: return false;
+  }
 }
 
 }  // namespace dlpack

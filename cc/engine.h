@@ -163,7 +163,12 @@ class Engine {
   // (with RunAndWait).
   Status AllReduceSync(const void* in, void* out, int64_t count, DType dtype, ReduceOp op, const std::string& name,
                        uint32_t shape_sig = 0);
+  Status BroadcastSync(void* buf, int64_t count, DType dtype, int root, const std::string& name,
+                       uint32_t shape_sig = 0);
+  Status AllGatherSync(const void* in, void* out, const std::vector<int64_t>& counts, DType dtype,
+                       const std::string& name);
   Status BarrierSync(const std::string& name);
+  Status ConsensusSync(const void* data, int64_t nbytes, bool* same, const std::string& name);
 
   class Impl;
 

@@ -172,8 +172,22 @@ Status Engine::AllReduceSync(const void* in, void* out, int64_t count, DType dty
   return RunSync([&](DoneCallback done) { AllReduce(in, out, count, dtype, op, name, std::move(done), shape_sig); });
 }
 
+Status Engine::BroadcastSync(void* buf, int64_t count, DType dtype, int root, const std::string& name,
+                             uint32_t shape_sig) {
+  return RunSync([&](DoneCallback done) { Broadcast(buf, count, dtype, root, name, std::move(done), shape_sig); });
+}
+
+Status Engine::AllGatherSync(const void* in, void* out, const std::vector<int64_t>& counts, DType dtype,
+                             const std::string& name) {
+  return RunSync([&](DoneCallback done) { AllGather(in, out, counts, dtype, name, std::move(done)); });
+}
+
 Status Engine::BarrierSync(const std::string& name) {
   return RunSync([&](DoneCallback done) { Barrier(name, std::move(done)); });
+}
+
+Status Engine::ConsensusSync(const void* data, int64_t nbytes, bool* same, const std::string& name) {
+  return RunSync([&](DoneCallback done) { Consensus(data, nbytes, same, name, std::move(done)); });
 }
 
 uint32_t ShapeSignature(const int64_t* dims, int ndims) {

@@ -12,6 +12,15 @@
 
 namespace kungfu_tf {
 
+// cc/tensor_meta.h names TF's DataType numbers without TF; they are protobuf enum values, fixed for good.
+namespace tfd = kungfu::tf_dtype;
+static_assert(tfd::kFloat == tensorflow::DT_FLOAT && tfd::kDouble == tensorflow::DT_DOUBLE &&
+                  tfd::kInt32 == tensorflow::DT_INT32 && tfd::kUInt8 == tensorflow::DT_UINT8 &&
+                  tfd::kInt8 == tensorflow::DT_INT8 && tfd::kInt64 == tensorflow::DT_INT64 &&
+                  tfd::kBool == tensorflow::DT_BOOL && tfd::kBFloat16 == tensorflow::DT_BFLOAT16 &&
+                  tfd::kHalf == tensorflow::DT_HALF,
+              "cc/tensor_meta.h's tf_dtype numbers must be TensorFlow's DataType values");
+
 absl::Status ToEngineDType(tensorflow::DataType dtype, kungfu::DType* out) {
   using kungfu::DType;
   switch (dtype) {
@@ -129,7 +138,5 @@ uint32_t ShapeSignature(const tensorflow::TensorShape& shape) {
   const auto dims = shape.dim_sizes();  // int64_t each
   return kungfu::ShapeSignature(dims.data(), shape.dims());
 }
-
-uint32_t CombineSignatures(uint32_t a, uint32_t b) { return ((a * 16777619u) ^ b) | 1u; }
 
 }  // namespace kungfu_tf

@@ -19,6 +19,7 @@
 #include "cc/dtype.h"
 #include "cc/engine.h"
 #include "cc/status.h"
+#include "cc/tensor_meta.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/tensor.h"
 #include "tensorflow/core/framework/types.h"
@@ -48,7 +49,7 @@ absl::Status ViewOf(const Tensor& t, BufferView* out);
 // equal element counts but different shapes ([2,3] against [6]) fail with InvalidArgument.
 uint32_t ShapeSignature(const tensorflow::TensorShape& shape);
 // Combines signatures in order (a fused bucket's members).
-uint32_t CombineSignatures(uint32_t a, uint32_t b);
+using kungfu::CombineSignatures;
 
 // The collective's key: the scalar string input before the token (the last input of every op).
 absl::Status KeyOf(OpKernelContext* ctx, std::string* key);

@@ -4,6 +4,7 @@
 #include <string>
 #include <vector>
 
+#include "cc/tensor_meta.h"
 #include "kf_ops/adapter.h"
 #include "tensorflow/core/framework/op_kernel.h"
 
@@ -26,18 +27,6 @@ class BarrierOp : public CollectiveKernel {
   }
 };
 
-// The bytes compared across workers: dtype, rank and dimensions, then the tensor's data, so that
-// equal bytes under different shapes or dtypes do not count as the same.
-std::vector<char> ConsensusBytes(const Tensor& t) {
-  std::vector<int64_t> header = {static_cast<int64_t>(t.dtype()), t.dims()};
-  for (int d = 0; d < t.dims(); ++d) header.push_back(t.dim_size(d));
-  const size_t head = header.size() * sizeof(int64_t);
-  std::vector<char> bytes(head + t.TotalBytes());
-  std::memcpy(bytes.data(), header.data(), head);
-  if (t.TotalBytes() > 0) std::memcpy(bytes.data() + head, t.tensor_data().data(), t.TotalBytes());
-  return bytes;
-}
-
 class ConsensusOp : public CollectiveKernel {
  public:
   explicit ConsensusOp(OpKernelConstruction* c) : CollectiveKernel(c) {}
@@ -49,7 +38,10 @@ class ConsensusOp : public CollectiveKernel {
     OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, TensorShape({}), &out), done);
     std::shared_ptr<kungfu::Engine> engine = EngineOrFail(ctx, done);
     if (!engine) return;
-    auto bytes = std::make_shared<std::vector<char>>(ConsensusBytes(ctx->input(0)));
+    const Tensor& in = ctx->input(0);
+    const auto dims = in.shape().dim_sizes();
+    auto bytes = std::make_shared<std::vector<char>>(
+        kungfu::ConsensusBytes(in.dtype(), dims.data(), in.dims(), in.tensor_data().data(), in.TotalBytes()));
     bool* same = &out->scalar<bool>()();  // written by the engine before the callback
     *same = false;
     engine->Consensus(bytes->data(), static_cast<int64_t>(bytes->size()), same, key,

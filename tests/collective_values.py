@@ -43,7 +43,7 @@ def expected_reduce(shape, dtype, op, size, salt=0):
 
 
 def assert_equal(got, want, what):
-    got = np.asarray(got)
+    got = got.numpy() if tf.is_tensor(got) else np.asarray(got)  # np.asarray fails on a bfloat16 scalar tensor
     want = np.asarray(want)
     if got.shape != want.shape:
         raise AssertionError(f"{what}: shape {got.shape}, want {want.shape}")

@@ -36,8 +36,8 @@ def invalid_argument_problem(fn, *words):
 
 
 def through_the_op_on(this_worker, fn):
-    """fn(), with eager all_reduce and barrier running the TF op on this worker (if true) instead of going
-    around TF's dispatch (kungfu/ops/_direct.py)."""
+    """fn(), with eager collectives running the TF ops on this worker (if true) instead of going around TF's
+    dispatch (kungfu/ops/_direct.py)."""
     enabled = _direct.ENABLED
     _direct.ENABLED = enabled and not this_worker
     try:
@@ -97,6 +97,14 @@ def mismatches_fail_on_every_worker():
         "all_reduce shape, direct against the op": (lambda: through_the_op_on(
             odd, lambda: kungfu.all_reduce(np.zeros([3, 2] if odd else [2, 3], np.float32), name="mm/dshape")),
             ["mm/dshape", "another shape"]),
+        # The direct paths of all_gather and broadcast describe dtypes and shapes as the kernels do
+        # (cc/tensor_meta.h): rank 1's op meets the others' C calls.
+        "all_gather dims, direct against the op": (lambda: through_the_op_on(
+            odd, lambda: kungfu.all_gather(np.zeros([2, 4 if odd else 3], np.float16), name="mm/dag")),
+            ["mm/dag", "rank 0 has half[2,3], rank 1 has half[2,4]"]),
+        "broadcast byte dtype, direct against the op": (lambda: through_the_op_on(
+            odd, lambda: kungfu.broadcast(np.zeros([3], np.int8 if odd else np.bool_), name="mm/dbbytes")),
+            ["mm/dbbytes", "dtype"]),
         # One name for two collectives: all_gather's first step (the shapes) runs under the name itself.
         "all_gather against all_reduce": (lambda: (kungfu.all_gather if odd else kungfu.all_reduce)(
             np.zeros([2], np.float32), name="mm/kind"), ["mm/kind", "two different collectives"]),

@@ -30,6 +30,9 @@ from collective_values import (BIG, COPY_DTYPES, REDUCE_DTYPES, REDUCE_OPS, asse
 CHECKS, check = mp.check_list()
 
 
+ROWS = [2, 0, 3, 1]  # all_gather: rows of rank r, ROWS[r % 4], so some worker has none from np 2 on
+
+
 def matrix():
     """(dtype, op, shape) of the all-reduce value checks."""
     for dtype in REDUCE_DTYPES:
@@ -47,17 +50,36 @@ def all_reduce_values_eager():
 
 
 @check
-def eager_all_reduce_around_tf_meets_the_op():
-    """Eagerly, all_reduce and barrier go around TF's op dispatch (kungfu/ops/_direct.py) unless a tape or an
-    op callback watches; here odd ranks run the TF op instead, so each path meets the other, values exact."""
+def eager_collectives_around_tf_meet_the_op():
+    """Eagerly, all_reduce, broadcast, all_gather, barrier and consensus go around TF's op dispatch
+    (kungfu/ops/_direct.py) unless a tape or an op callback watches; here odd ranks run the TF ops instead, so
+    each path meets the other, values exact."""
     rank, size = kungfu.rank(), kungfu.size()
+    odd = rank % 2 == 1
     for dtype, op, shape in matrix():
         if shape == [BIG] and dtype != tf.float32:  # the large values once: all_reduce_values_eager has the rest
             continue
-        y = through_the_op_on(rank % 2 == 1, lambda: kungfu.all_reduce(data(rank, shape, dtype, op), op=op,
-                                                                        name="direct/meets/op"))
+        y = through_the_op_on(odd, lambda: kungfu.all_reduce(data(rank, shape, dtype, op), op=op,
+                                                             name="direct/meets/op"))
         assert_equal(y, expected_reduce(shape, dtype, op, size), f"{dtype.name} {op} {shape}")
-        through_the_op_on(rank % 2 == 0, lambda: kungfu.barrier(name="direct/meets/op/barrier"))
+        through_the_op_on(not odd, lambda: kungfu.barrier(name="direct/meets/op/barrier"))
+    for root in range(size):
+        for dtype in COPY_DTYPES:
+            for shape in [[], [0], [7], [2, 3]]:
+                y = through_the_op_on(odd, lambda: kungfu.broadcast(data(rank, shape, dtype), root=root,
+                                                                    name="direct/meets/op/broadcast"))
+                assert_equal(y, data(root, shape, dtype), f"broadcast from {root} {dtype.name} {shape}")
+    for dtype in COPY_DTYPES:
+        y = through_the_op_on(not odd, lambda: kungfu.all_gather(data(rank, [ROWS[rank % 4], 3], dtype),
+                                                                 name="direct/meets/op/all_gather"))
+        want = np.concatenate([data(r, [ROWS[r % 4], 3], dtype) for r in range(size)])
+        assert_equal(y, want, f"all_gather {dtype.name} rows {ROWS[:size]}")
+    y = through_the_op_on(odd, lambda: kungfu.all_gather(np.int64(rank), name="direct/meets/op/scalars"))
+    assert_equal(y, np.arange(size, dtype=np.int64), "all_gather of scalars")
+    for same in (True, False):
+        x = data(0 if same else min(rank, 1), [2, 3], tf.bfloat16)
+        agreed = through_the_op_on(odd, lambda: kungfu.consensus(x, name="direct/meets/op/consensus"))
+        assert bool(agreed) == (same or size == 1), f"consensus, inputs {'alike' if same else 'differing'}"
 
 
 @check
@@ -146,9 +168,6 @@ def broadcast_from_every_root():
 
     for root, y in enumerate(f(data(rank, [4], tf.int64))):
         assert_equal(y, data(root, [4], tf.int64), f"in function, root {root}")
-
-
-ROWS = [2, 0, 3, 1]  # rows of rank r: ROWS[r % 4], so some worker has none from np 2 on
 
 
 @check

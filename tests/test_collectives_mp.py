@@ -23,7 +23,7 @@ pytestmark = pytest.mark.usefixtures("kungfu_library")  # fails, naming the fix,
 
 WORKER = os.path.join(REPO, "tests", "collectives_worker.py")
 FAILURES = os.path.join(REPO, "tests", "failures_worker.py")
-CHECKS = ["all_reduce_values_eager", "eager_all_reduce_around_tf_meets_the_op", "all_reduce_values_in_one_function",
+CHECKS = ["all_reduce_values_eager", "eager_collectives_around_tf_meet_the_op", "all_reduce_values_in_one_function",
           "group_all_reduce_values", "group_all_reduce_with_norms_values",
           "broadcast_from_every_root", "all_gather_differing_first_dims", "python_objects", "barrier_and_consensus",
           "gradients_through_collectives",

@@ -74,15 +74,15 @@ class SizeOneTest(tf.test.TestCase):
         try:
             for name in ops:
                 setattr(module, name, spy(name))
-            _direct.ENABLED = False  # eager all_reduce and barrier run the op (else they go around it)
+            _direct.ENABLED = False  # eager collectives run the ops (else most go around them)
             try:
                 every_collective()
             finally:
                 _direct.ENABLED = True
             self.assertEqual(seen, [(name, True) for name in ops])
             seen.clear()
-            every_collective()  # the same, but all_reduce and barrier skip TF's dispatch
-            self.assertEqual(seen, [(name, True) for name in ops if name not in ("kf_all_reduce", "kf_barrier")])
+            every_collective()  # the same, but only the group ops go through TF's dispatch
+            self.assertEqual(seen, [("kf_group_all_reduce", True), ("kf_group_all_reduce_norms", True)])
             seen.clear()
             graph = tf.function(every_collective).get_concrete_function().graph
             self.assertEqual(seen, [(name, False) for name in ops])
@@ -123,6 +123,33 @@ class SizeOneTest(tf.test.TestCase):
                     self.assertEqual(direct._numpy().ctypes.data % 64, 0)  # TF's kernels may assume it
                     self.assertNotEqual(direct._numpy().ctypes.data, x._numpy().ctypes.data)  # not the input
                 self.assertAllEqual(direct * 2, x * 2)  # an ordinary TF tensor from here on
+
+    def test_eager_copies_around_tf_give_what_the_ops_give(self):
+        """broadcast, all_gather and consensus go around TF's dispatch as all_reduce does (_direct.py), for every
+        dtype they take: the same results as the ops, new aligned tensors."""
+        for dtype in REDUCE_DTYPES + COPY_ONLY_DTYPES:
+            for shape in [[], [0], [1], [7], [3, 5], [2, 0, 4], [1000]]:
+                x = sample(shape, dtype)
+                direct = [_direct.broadcast(x, 0, "direct/bcast"), _direct.all_gather(x, "direct/gather"),
+                          _direct.consensus(x, "direct/consensus")]
+                _direct.ENABLED = False
+                try:
+                    by_op = [kungfu.broadcast(x, name="direct/bcast"), kungfu.all_gather(x, name="direct/gather"),
+                             kungfu.consensus(x, name="direct/consensus")]
+                finally:
+                    _direct.ENABLED = True
+                for what, got, want in zip(["broadcast", "all_gather", "consensus"], direct, by_op):
+                    msg = f"{what} {dtype.name} {shape}"
+                    self.assertIsNotNone(got, msg)
+                    self.assertEqual((got.dtype, got.shape), (want.dtype, want.shape), msg)
+                    self.assertAllEqual(got, want, msg=msg)
+                for got in direct[:2]:
+                    if shape and int(np.prod(shape)):
+                        self.assertEqual(got._numpy().ctypes.data % 64, 0)
+                        self.assertNotEqual(got._numpy().ctypes.data, x._numpy().ctypes.data)
+                self.assertTrue(bool(direct[2]))
+        with self.assertRaisesRegex(ValueError, r"root must be a rank in \[0, 1\), got 1"):
+            kungfu.broadcast(tf.ones([2]), root=1)  # checked before the C call, as before the op
 
     def test_watched_eager_all_reduce_runs_the_op(self):
         """A tape must record the op for the gradient, an op callback must see it: then the op runs."""

@@ -80,6 +80,15 @@ def _declare(c):
     c.kungfu_all_reduce_dlpack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p,
                                            ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_int]
     c.kungfu_all_reduce_dlpack.restype = ctypes.c_int
+    c.kungfu_broadcast_dlpack.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_char_p,
+                                          ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_int]
+    c.kungfu_broadcast_dlpack.restype = ctypes.c_int
+    c.kungfu_all_gather_dlpack.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p),
+                                           ctypes.c_char_p, ctypes.c_int]
+    c.kungfu_all_gather_dlpack.restype = ctypes.c_int
+    c.kungfu_consensus_dlpack.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int),
+                                          ctypes.c_char_p, ctypes.c_int]
+    c.kungfu_consensus_dlpack.restype = ctypes.c_int
     c.kungfu_dlpack_free.argtypes = [ctypes.c_void_p]
     c.kungfu_dlpack_free.restype = None
     c.kungfu_barrier.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_int]

@@ -1,20 +1,24 @@
-"""The eager all_reduce and barrier that go around TensorFlow's op dispatch.
+"""The eager collectives that go around TensorFlow's op dispatch.
 
-Eagerly, the KfAllReduce kernel only hands its input to the engine and waits, yet dispatching it costs
+Eagerly, a collective's kernel only hands its input to the engine and waits, yet dispatching it costs
 most of an eager all_reduce's CPU time on few cores: on the 2-core VM a 4 KiB call took 35-55 us on one
 worker, the engine's C call 3-7 us, and with more workers than cores every microsecond of it counts about
 twice (README, Allreduce). So, when nothing watches eager ops (_naming.unobserved(): no GradientTape, no
-op callback), kungfu.all_reduce hands the tensor to the engine itself, as DLPack:
+op callback), kungfu.all_reduce, broadcast, all_gather and consensus hand the tensor to the engine
+themselves, as DLPack:
   - tf.experimental.dlpack.to_dlpack lends the input's buffer (no copy; the capsule holds a reference);
-  - kungfu_all_reduce_dlpack (cc/c_api.h) reduces it, blocking, into a new 64-byte-aligned buffer, under
-    the same key, reduce op and shape check as the kernel's, so eager calls on one worker meet graph or
-    op calls of the same collective on another;
+  - a C call (kungfu_all_reduce_dlpack, kungfu_broadcast_dlpack, kungfu_all_gather_dlpack; cc/c_api.h) runs
+    the collective, blocking, into a new 64-byte-aligned buffer, under the same key, dtype and shape checks
+    as the kernel's (cc/tensor_meta.h), so eager calls on one worker meet graph or op calls of the same
+    collective on another;
   - tf.experimental.dlpack.from_dlpack makes that buffer the result tensor (no copy; TF frees it).
-The result is what the op returns: a new tensor of the input's dtype and shape. kungfu.barrier, which has
-no tensor, calls kungfu_barrier likewise. A failure raises the tf.errors.OpError of the engine's status
-code with the engine's message, as the op does (without the op's " [Op:KfAllReduce]" suffix). An input
-the C API does not take (not in host memory) runs the op. Eager calls no longer show up as ops in TF's
-profiler. KUNGFU_EAGER_DIRECT=0 runs the ops always.
+The result is what the op returns: all_reduce and broadcast a new tensor of the input's dtype and shape,
+all_gather the workers' tensors concatenated along the first dimension. consensus (kungfu_consensus_dlpack)
+returns a scalar bool tensor, and kungfu.barrier, which has no tensor, calls kungfu_barrier. A failure
+raises the tf.errors.OpError of the engine's status code with the engine's message, as the op does
+(without the op's " [Op:KfAllReduce]" suffix). An input the C API does not take (not in host memory) runs
+the op. Eager calls no longer show up as ops in TF's profiler. KUNGFU_EAGER_DIRECT=0 runs the ops always.
+group_all_reduce keeps the op: its fusion into buckets lives in the kernel (kf_ops/fusion.cc).
 
 The capsule calls go through ctypes.pythonapi with function types of this module's own (PYFUNCTYPE: they
 hold the GIL), so other users of ctypes.pythonapi keep their declarations.
@@ -61,7 +65,7 @@ _ERRORS = {
     tf.errors.UNAUTHENTICATED: tf.errors.UnauthenticatedError,
 }
 
-_local = threading.local()  # .buffers: this thread's (error text, result pointer) for the C call
+_local = threading.local()  # this thread's .buffers (error text, result pointer) and .same for the C calls
 
 
 def _buffers():
@@ -71,21 +75,30 @@ def _buffers():
     return buffers
 
 
+def _same():
+    same = getattr(_local, "same", None)
+    if same is None:
+        same = _local.same = ctypes.c_int()
+    return same
+
+
 def _error(code, err):
     """The tf.errors.OpError a failed op with this status code (nonzero) and message would raise."""
     return _ERRORS.get(code, tf.errors.UnknownError)(None, None, err.value.decode(errors="replace"))
 
 
-def all_reduce(x, op, key):
-    """kungfu.all_reduce of the eager tensor x (op: a checked reduce op name; key: the collective's key),
-    or None, with nothing started, when the C API does not take x: the caller runs the op then."""
+def _lend(x):
+    """The DLManagedTensor pointer of a capsule lending x, and the capsule (keep it until the call is done),
+    or (None, None) when DLPack cannot describe x: the op decides then."""
     try:
         capsule = _to_dlpack(x)
-    except (tf.errors.OpError, TypeError, ValueError):  # nothing DLPack can describe: the op decides
-        return None
-    err, out = _buffers()
-    code = _lib.c_api().kungfu_all_reduce_dlpack(_capsule_pointer(capsule, _CAPSULE), _REDUCE_CODES[op],
-                                                  key.encode(), out, err, _ERR_LEN)
+    except (tf.errors.OpError, TypeError, ValueError):
+        return None, None
+    return _capsule_pointer(capsule, _CAPSULE), capsule
+
+
+def _result(code, out, err):
+    """The tensor a DLPack call made (code 0), None when it took nothing (code -1), or raise its error."""
     if code == _NOT_TAKEN:
         return None
     if code != 0:
@@ -96,6 +109,56 @@ def all_reduce(x, op, key):
     except BaseException:  # TF did not take it: the capsule has no destructor, so free it here
         _lib.c_api().kungfu_dlpack_free(result)
         raise
+
+
+def all_reduce(x, op, key):
+    """kungfu.all_reduce of the eager tensor x (op: a checked reduce op name; key: the collective's key),
+    or None, with nothing started, when the C API does not take x: the caller runs the op then."""
+    pointer, capsule = _lend(x)
+    if capsule is None:
+        return None
+    err, out = _buffers()
+    return _result(_lib.c_api().kungfu_all_reduce_dlpack(pointer, _REDUCE_CODES[op], key.encode(), out, err,
+                                                         _ERR_LEN), out, err)
+
+
+def broadcast(x, root, key):
+    """kungfu.broadcast of the eager tensor x from root (a checked rank), or None as all_reduce's."""
+    pointer, capsule = _lend(x)
+    if capsule is None:
+        return None
+    err, out = _buffers()
+    return _result(_lib.c_api().kungfu_broadcast_dlpack(pointer, root, key.encode(), out, err, _ERR_LEN), out, err)
+
+
+def all_gather(x, key):
+    """kungfu.all_gather of the eager tensor x, or None as all_reduce's."""
+    pointer, capsule = _lend(x)
+    if capsule is None:
+        return None
+    err, out = _buffers()
+    return _result(_lib.c_api().kungfu_all_gather_dlpack(pointer, key.encode(), out, err, _ERR_LEN), out, err)
+
+
+_agreed = {}  # 0 and 1: consensus's results, made on first use (not at import: that would start TF's runtime)
+
+
+def consensus(x, key):
+    """kungfu.consensus of the eager tensor x (a scalar bool tensor), or None as all_reduce's."""
+    pointer, capsule = _lend(x)
+    if capsule is None:
+        return None
+    err, _ = _buffers()
+    same = _same()
+    code = _lib.c_api().kungfu_consensus_dlpack(pointer, key.encode(), same, err, _ERR_LEN)
+    if code == _NOT_TAKEN:
+        return None
+    if code != 0:
+        raise _error(code, err)
+    result = _agreed.get(same.value)
+    if result is None:  # eager tensors are immutable: every call may return the same one
+        result = _agreed[same.value] = tf.constant(bool(same.value))
+    return result
 
 
 def barrier(key):

@@ -43,8 +43,8 @@ Graph.unique_name, control_flow_util.GraphOrParentsInXlaContext (the check is sk
 and, to order calls of functions holding collectives (end of this file),
 auto_control_deps.register_acd_resource_resolver, Graph._get_function and its result's .graph;
 AutoGraph's mark on the functions it calls as they are (no_autograph); for eager collectives (ops()),
-pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction and context.context()._handle; and, for the eager all_reduce
-that skips TF's dispatch (unobserved(), _direct.py), pywrap_tfe.TFE_Py_TapeSetIsEmpty and
+pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction and context.context()._handle; and, for the eager collectives
+that skip TF's dispatch (unobserved(), _direct.py), pywrap_tfe.TFE_Py_TapeSetIsEmpty and
 context.context().op_callbacks.
 """
 
@@ -69,7 +69,7 @@ try:
     _set_op_as_function = _pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction
 except (ImportError, AttributeError):  # a TF without them: eager ops run as TF runs them (the test fails)
     _set_op_as_function = None
-try:  # for the eager all_reduce around TF's dispatch (_direct.py): nothing may watch the op it skips
+try:  # for the eager collectives around TF's dispatch (_direct.py): nothing may watch the ops they skip
     _tape_set_is_empty = _pywrap_tfe.TFE_Py_TapeSetIsEmpty  # no GradientTape, no ForwardAccumulator
     if not isinstance(getattr(_eager_context.Context, "op_callbacks", None), property):
         raise AttributeError("op_callbacks")

@@ -39,6 +39,11 @@ COPY_DTYPES = _DTypes(REDUCE_DTYPES + (tf.uint8, tf.int8, tf.bool))  # broadcast
 _no_autograph = _naming.no_autograph
 
 
+def _direct_call():
+    """Whether this call may go around TensorFlow's op dispatch (_direct.py): eager, with nothing watching."""
+    return _direct.ENABLED and tf.executing_eagerly() and _naming.unobserved()
+
+
 def _reduce_op(op, what):
     if not isinstance(op, str) or op.lower() not in REDUCE_OPS:
         hint = ""
@@ -67,7 +72,7 @@ def all_reduce(x, op="sum", name=None):
     op = _reduce_op(op, "all_reduce")
     _lib.require_init("kungfu.all_reduce")
     x = _tensor(x, REDUCE_DTYPES, "all_reduce")
-    if _direct.ENABLED and tf.executing_eagerly() and _naming.unobserved():  # around TF's dispatch
+    if _direct_call():
         y = _direct.all_reduce(x, op, _naming.collective_key("all_reduce", name, True))
         if y is not None:
             return y
@@ -162,6 +167,10 @@ def broadcast(x, root=0, name=None):
     _lib.require_init("kungfu.broadcast")
     root = check_root(root, "broadcast")
     x = _tensor(x, COPY_DTYPES, "broadcast")
+    if _direct_call():
+        y = _direct.broadcast(x, root, _naming.collective_key("broadcast", name, True))
+        if y is not None:
+            return y
     key, token, eager = _naming.call_inputs("broadcast", name)
     return _naming.ops(eager).kf_broadcast(x, key, token, root=root, blocking=eager)
 
@@ -176,6 +185,10 @@ def all_gather(x, name=None):
     """
     _lib.require_init("kungfu.all_gather")
     x = _tensor(x, COPY_DTYPES, "all_gather")
+    if _direct_call():
+        y = _direct.all_gather(x, _naming.collective_key("all_gather", name, True))
+        if y is not None:
+            return y
     key, token, eager = _naming.call_inputs("all_gather", name)
     return _naming.ops(eager).kf_all_gather(x, key, token, blocking=eager)
 
@@ -184,7 +197,7 @@ def all_gather(x, name=None):
 def barrier(name=None):
     """Waits until every worker has reached this barrier. Returns None eagerly, the op in a graph."""
     _lib.require_init("kungfu.barrier")
-    if _direct.ENABLED and tf.executing_eagerly() and _naming.unobserved():  # around TF's dispatch
+    if _direct_call():
         return _direct.barrier(_naming.collective_key("barrier", name, True))
     key, token, eager = _naming.call_inputs("barrier", name)
     return _naming.ops(eager).kf_barrier(key, token, blocking=eager)
@@ -195,5 +208,9 @@ def consensus(x, name=None):
     """A scalar bool tensor: whether every worker passed an x of the same dtype, shape and bytes."""
     _lib.require_init("kungfu.consensus")
     x = _tensor(x, COPY_DTYPES, "consensus")
+    if _direct_call():
+        y = _direct.consensus(x, _naming.collective_key("consensus", name, True))
+        if y is not None:
+            return y
     key, token, eager = _naming.call_inputs("consensus", name)
     return _naming.ops(eager).kf_consensus(x, key, token, blocking=eager)
