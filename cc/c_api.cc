@@ -13,7 +13,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <mutex>
 #include <new>
 #include <string>
@@ -297,8 +296,8 @@ struct Input {
 };
 
 // Whether the C API takes in (a DLManagedTensor): a compact CPU tensor of a dtype the engine reduces or, when
-// copying, also one of those that travel as bytes. Its shape is bounded first, so that its element count
-// times 8 bytes, and Compact()'s products, cannot overflow.
+// copying, also one of those that travel as bytes. Its shape is bounded first (the product of its nonzero
+// dimensions below 2^60), so that its bytes, Compact()'s products and RowElements cannot overflow.
 bool Take(const void* in, bool copying, Input* out) {
   const auto* managed = static_cast<const DLManagedTensor*>(in);
   if (managed == nullptr) return false;
@@ -308,15 +307,20 @@ bool Take(const void* in, bool copying, Input* out) {
               : !kungfu::dlpack::ToEngineDType(t.dtype, &out->dtype)) {
     return false;
   }
-  int64_t count = 1;
+  int64_t product = 1;  // of the nonzero dimensions: below 2^60, so no product of some of them overflows
+  bool empty = false;
   for (int d = 0; d < t.ndim; ++d) {
     if (t.shape[d] < 0) return false;
-    if (t.shape[d] > 0 && count > std::numeric_limits<int64_t>::max() / 8 / t.shape[d]) return false;
-    count *= t.shape[d];
+    if (t.shape[d] == 0) {
+      empty = true;
+      continue;
+    }
+    if (product > ((int64_t{1} << 60) - 1) / t.shape[d]) return false;
+    product *= t.shape[d];
   }
   if (!Compact(t)) return false;
   out->t = &t;
-  out->count = count;
+  out->count = empty ? 0 : product;
   out->data = static_cast<const char*>(t.data) + t.byte_offset;
   return true;
 }
@@ -383,18 +387,12 @@ int kungfu_all_gather_dlpack(const void* in, const char* name, void** out, char*
   Status s = e->AllGatherSync(mine.data(), all.data(), std::vector<int64_t>(e->size(), kungfu::kGatherRecordSize),
                               kungfu::DType::kInt64, key);
   if (!s.ok()) return kungfu::Report(s, err, err_len);
-  int64_t row = 1;  // elements per slice along the first dimension
-  for (int d = 1; d < t.ndim; ++d) row *= t.shape[d];
+  const int64_t row = kungfu::RowElements(t.shape, t.ndim);
   int64_t rows = 0;
   std::vector<int64_t> counts;
   s = kungfu::CheckGatherRecords(all, row, key, &counts, &rows);
   if (!s.ok()) return kungfu::Report(s, err, err_len);
   const int64_t esize = static_cast<int64_t>(kungfu::DTypeSize(x.dtype));
-  if (row > 0 && rows > std::numeric_limits<int64_t>::max() / 8 / row) {
-    return kungfu::Report(kungfu::InvalidArgument("allgather '" + key + "': the result's " + std::to_string(rows) +
-                                                  " rows of " + std::to_string(row) + " elements are too many"),
-                          err, err_len);
-  }
   // Step two: the data, into a tensor of the concatenated shape (a scalar counts as a one-element vector).
   std::vector<int64_t> shape(t.shape, t.shape + t.ndim);
   if (shape.empty()) shape.push_back(rows);

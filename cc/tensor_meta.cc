@@ -57,6 +57,15 @@ bool SameExceptDim0(const int64_t* a, const int64_t* b) {
 }
 }  // namespace
 
+int64_t RowElements(const int64_t* dims, int ndims) {
+  int64_t row = 1;
+  for (int d = 1; d < ndims; ++d) {
+    if (dims[d] < 0 || (dims[d] > 0 && row > ((int64_t{1} << 60) - 1) / dims[d])) return -1;
+    row *= dims[d];
+  }
+  return row;
+}
+
 std::vector<int64_t> GatherRecord(int tf_dtype, const int64_t* dims, int ndims) {
   std::vector<int64_t> r(kGatherRecordSize, -1);
   r[kRank] = ndims;
@@ -83,16 +92,24 @@ Status CheckGatherRecords(const std::vector<int64_t>& all, int64_t row_elements,
                              RecordString(rec) + UnlistedHint(first, rec));
     }
   }
+  if (row_elements < 0) {  // the same on every worker now: they all fail alike
+    return InvalidArgument("allgather '" + key + "': a slice along the first dimension has 2^60 elements or more");
+  }
   counts->assign(static_cast<size_t>(size), 0);
   *rows = 0;
+  // The result's elements stay below 2^60, so that its bytes (8 at most each) and rows cannot overflow.
+  constexpr int64_t kMaxElements = int64_t{1} << 60;
+  int64_t elements = 0;
   for (int r = 0; r < size; ++r) {
     const int64_t dim0 = all[static_cast<size_t>(r) * kGatherRecordSize + kDim0];
-    if (dim0 < 0 || dim0 > (int64_t{1} << 48)) {
-      return InvalidArgument("allgather '" + key + "': rank " + std::to_string(r) + " sent a bad first dimension " +
-                             std::to_string(dim0));
+    if (dim0 < 0 || dim0 > kMaxElements - *rows ||
+        (row_elements > 0 && dim0 > (kMaxElements - elements) / row_elements)) {
+      return InvalidArgument("allgather '" + key + "': rank " + std::to_string(r) + "'s first dimension " +
+                             std::to_string(dim0) + " is negative or makes the result too large");
     }
     *rows += dim0;
     (*counts)[static_cast<size_t>(r)] = dim0 * row_elements;
+    elements += dim0 * row_elements;
   }
   return Status::OK();
 }

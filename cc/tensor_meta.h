@@ -49,11 +49,16 @@ uint32_t BroadcastSignature(const int64_t* dims, int ndims, int tf_dtype);
 constexpr int kGatherListedDims = 8;  // dimensions after the first kept for messages
 constexpr int kGatherRecordSize = 4 + kGatherListedDims;
 
+// The elements of one slice along the first dimension (the product of the dimensions after it), or -1 when
+// that is 2^60 or more (possible only when the first dimension is 0).
+int64_t RowElements(const int64_t* dims, int ndims);
+
 // This worker's record. A scalar is gathered as one element.
 std::vector<int64_t> GatherRecord(int tf_dtype, const int64_t* dims, int ndims);
 
 // Checks the gathered records (one per worker, in rank order) against rank 0's: InvalidArgument naming the
-// collective `key` and both sides when a dtype or a dimension after the first differs. Otherwise fills
+// collective `key` and both sides when a dtype or a dimension after the first differs, or when the result
+// would have 2^60 elements or more (row_elements: RowElements of this worker's shape). Otherwise fills
 // *counts (each worker's elements, its first dimension times row_elements) and *rows (their first
 // dimensions' sum). row_elements: the product of this worker's dimensions after the first.
 Status CheckGatherRecords(const std::vector<int64_t>& all, int64_t row_elements, const std::string& key,

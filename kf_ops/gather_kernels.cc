@@ -90,8 +90,9 @@ class AllGatherOp : public CollectiveKernel {
                          const std::vector<int64_t>& all, const std::shared_ptr<Tensor>& input) {
     int64_t rows = 0;
     std::vector<int64_t> counts;
-    OP_REQUIRES_OK_ASYNC(ctx, ToTfStatus(kungfu::CheckGatherRecords(all, RowElements(*input), key, &counts, &rows)),
-                         done);
+    const auto dims = input->shape().dim_sizes();
+    const int64_t row = kungfu::RowElements(dims.data(), input->dims());
+    OP_REQUIRES_OK_ASYNC(ctx, ToTfStatus(kungfu::CheckGatherRecords(all, row, key, &counts, &rows)), done);
     TensorShape shape = input->shape();
     if (shape.dims() == 0) {
       shape.AddDim(rows);
@@ -106,13 +107,6 @@ class AllGatherOp : public CollectiveKernel {
     OP_REQUIRES_OK_ASYNC(ctx, ViewOf(*input, &view), done);
     engine->AllGather(view.data, const_cast<char*>(out->tensor_data().data()), counts, view.dtype, key + "/data",
                       FinishKernel(ctx, done, nullptr, input));
-  }
-
-  // Elements per slice along the first dimension, also when this worker has no rows.
-  static int64_t RowElements(const Tensor& t) {
-    int64_t n = 1;
-    for (int d = 1; d < t.dims(); ++d) n *= t.dim_size(d);
-    return n;
   }
 };
 

@@ -150,6 +150,11 @@ class SizeOneTest(tf.test.TestCase):
                 self.assertTrue(bool(direct[2]))
         with self.assertRaisesRegex(ValueError, r"root must be a rank in \[0, 1\), got 1"):
             kungfu.broadcast(tf.ones([2]), root=1)  # checked before the C call, as before the op
+        # An empty tensor whose other dimensions multiply past 2^60: the C call leaves it to the op, whose
+        # kernel refuses it (on every worker alike) rather than overflow.
+        with self.assertRaisesRegex(tf.errors.InvalidArgumentError, r"2\^60 elements or more"):
+            kungfu.all_gather(tf.zeros([0, 2**40, 2**40]))
+        self.assertEqual(kungfu.all_gather(tf.zeros([0, 2**20, 2**20])).shape, [0, 2**20, 2**20])
 
     def test_watched_eager_all_reduce_runs_the_op(self):
         """A tape must record the op for the gradient, an op callback must see it: then the op runs."""

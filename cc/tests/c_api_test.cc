@@ -234,7 +234,18 @@ TEST(TensorMeta, GatherRecordsAgreeOnAllButTheFirstDimension) {
   std::vector<int64_t> forged = GatherRecord(tf_dtype::kFloat, a, 2);
   forged[2] = -1;  // a first dimension no tensor has
   s = CheckGatherRecords(records({GatherRecord(tf_dtype::kFloat, a, 2), forged}), 3, "g", &counts, &rows);
-  EXPECT_CONTAINS(s.message(), "rank 1 sent a bad first dimension -1");
+  EXPECT_CONTAINS(s.message(), "rank 1's first dimension -1 is negative or makes the result too large");
+  // Empty tensors whose other dimensions multiply past 2^60: no overflow, an error on every worker.
+  const int64_t huge[] = {0, int64_t{1} << 40, int64_t{1} << 40}, wide[] = {int64_t{1} << 30, int64_t{1} << 29};
+  EXPECT_EQ(RowElements(huge, 3), int64_t{-1});
+  EXPECT_EQ(RowElements(a, 2), int64_t{3});
+  EXPECT_EQ(RowElements(nullptr, 0), int64_t{1});
+  s = CheckGatherRecords(records({GatherRecord(tf_dtype::kFloat, huge, 3), GatherRecord(tf_dtype::kFloat, huge, 3)}),
+                         RowElements(huge, 3), "g", &counts, &rows);
+  EXPECT_CONTAINS(s.message(), "a slice along the first dimension has 2^60 elements or more");
+  std::vector<std::vector<int64_t>> many(4, GatherRecord(tf_dtype::kFloat, wide, 2));  // 4 x 2^59 elements
+  s = CheckGatherRecords(records(many), RowElements(wide, 2), "g", &counts, &rows);
+  EXPECT_CONTAINS(s.message(), "rank 2's first dimension 1073741824 is negative or makes the result too large");
 }
 
 TEST(TensorMeta, ConsensusBytesSeparateShapesAndDTypesOfEqualData) {
