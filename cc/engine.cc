@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 
 #include "cc/engine_impl.h"
 #include "cc/log.h"
@@ -55,6 +56,8 @@ Status Engine::Impl::Start() {
   out_.resize(n);
   in_.resize(n);
   writing_.assign(n, false);
+  traits_.assign(n, std::nullopt);
+  traits_[config_.rank] = WorkerTraits{config_.small_star, OwnCpuMask()};
   RETURN_IF_ERROR(loop_.Init());
   if (n > 1) {
     auto l = Listen(config_.peers.at(config_.rank).port);
@@ -71,7 +74,56 @@ Status Engine::Impl::Start() {
   }
   acceptor_ = std::thread([this] { AcceptLoop(); });
   RETURN_IF_ERROR(ConnectToPeers());
-  return AwaitIncoming();
+  RETURN_IF_ERROR(AwaitIncoming());
+  std::vector<WorkerTraits> traits;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& t : traits_) traits.push_back(*t);
+  }
+  small_star_ = ChooseSmallStar(config_.peers, traits);
+  KF_LOG(Debug) << "rank " << config_.rank << ": small allreduces use "
+                << (small_star_ ? "the star" : "recursive doubling on 2, 4, 8, ... workers");
+  return Status::OK();
+}
+
+std::string OwnCpuMask() {
+  cpu_set_t cpus;
+  CPU_ZERO(&cpus);
+  if (sched_getaffinity(0, sizeof(cpus), &cpus) != 0) return std::string();
+  std::string mask;
+  for (int i = 0; i < CPU_SETSIZE; ++i) {
+    if (!CPU_ISSET(i, &cpus)) continue;
+    if (mask.size() <= static_cast<size_t>(i / 8)) mask.resize(i / 8 + 1, '\0');
+    mask[i / 8] = static_cast<char>(static_cast<unsigned char>(mask[i / 8]) | (1u << (i % 8)));
+  }
+  return mask;
+}
+
+bool ChooseSmallStar(const PeerList& peers, const std::vector<WorkerTraits>& traits) {
+  bool doubling_asked = false;
+  for (const WorkerTraits& t : traits) {
+    if (t.small_star == 1) return true;
+    if (t.small_star == 0) doubling_asked = true;
+  }
+  if (doubling_asked) return false;
+  struct Host {
+    int workers = 0;
+    std::string cpus;  // the union of their masks
+  };
+  std::map<std::string, Host> hosts;
+  for (int r = 0; r < peers.size() && r < static_cast<int>(traits.size()); ++r) {
+    Host& h = hosts[peers.at(r).host];
+    ++h.workers;
+    const std::string& m = traits[r].cpu_mask;
+    if (h.cpus.size() < m.size()) h.cpus.resize(m.size(), '\0');
+    for (size_t i = 0; i < m.size(); ++i) h.cpus[i] = static_cast<char>(h.cpus[i] | m[i]);
+  }
+  for (const auto& [name, h] : hosts) {
+    int cpus = 0;
+    for (unsigned char b : h.cpus) cpus += __builtin_popcount(b);
+    if (cpus > 0 && h.workers > cpus) return true;
+  }
+  return false;
 }
 
 // Whether the loop has work besides a blocking caller's finished collective (EventLoop::Start's busy).
@@ -100,15 +152,57 @@ bool Engine::Impl::WantSender() const {
 // Start returns once every peer's connection to this worker is registered too, so that the engine is
 // connected both ways from its first collective on: a peer that closes a stream right after start-up
 // is then judged with both its streams in view, not as a crash because the other was not yet taken in.
+// It also waits for every peer's TRAITS frame, the first on each peer's connection, so that the choices
+// made from them (small_star_) are made before the first collective, alike on every worker.
 Status Engine::Impl::AwaitIncoming() {
   const int want = config_.peers.size() - 1;
   std::unique_lock<std::mutex> lock(mu_);
-  if (cv_.wait_until(lock, DeadlineAfter(config_.timeout_seconds), [&] { return incoming_ >= want; })) {
+  if (cv_.wait_until(lock, DeadlineAfter(config_.timeout_seconds),
+                     [&] { return incoming_ >= want && traits_heard_ >= want; })) {
     return Status::OK();
   }
-  return DeadlineExceeded("only " + std::to_string(incoming_) + " of the " + std::to_string(want) +
-                          " other workers connected to " + config_.peers.Describe(config_.rank) + " within " +
-                          FormatNumber(config_.timeout_seconds) + " s (KUNGFU_TIMEOUT)");
+  const std::string within = " within " + FormatNumber(config_.timeout_seconds) + " s (KUNGFU_TIMEOUT)";
+  if (incoming_ < want) {
+    return DeadlineExceeded("only " + std::to_string(incoming_) + " of the " + std::to_string(want) +
+                            " other workers connected to " + config_.peers.Describe(config_.rank) + within);
+  }
+  std::vector<int> silent;
+  for (int p = 0; p < config_.peers.size(); ++p) {
+    if (!traits_[p]) silent.push_back(p);
+  }
+  return DeadlineExceeded("every other worker connected to " + config_.peers.Describe(config_.rank) +
+                          ", but nothing came from " + RankList(silent) +
+                          " (a worker's first frame says what it runs on)" + within);
+}
+
+void Engine::Impl::SendTraits(Connection* c) {
+  std::shared_ptr<const std::string> mask;
+  FrameHeader h;
+  h.kind = FrameKind::kTraits;
+  h.cluster_version = config_.peers.version();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const WorkerTraits& own = *traits_[config_.rank];
+    h.aux = static_cast<uint32_t>(own.small_star == 1   ? TraitsPreference::kStar
+                                  : own.small_star == 0 ? TraitsPreference::kDoubling
+                                                        : TraitsPreference::kAuto);
+    mask = std::make_shared<const std::string>(own.cpu_mask);
+  }
+  h.payload_bytes = mask->size();
+  c->EnqueueShared(h, "kungfu/traits", mask->empty() ? nullptr : mask->data(), mask);
+}
+
+// A peer's first frame; a repeat (after a reconnect) changes nothing, as the choices are made.
+void Engine::Impl::OnTraits(int src, const FrameHeader& h, const char* data) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (traits_[src]) return;
+  const auto preference = static_cast<TraitsPreference>(h.aux);
+  WorkerTraits t;
+  t.small_star = preference == TraitsPreference::kStar ? 1 : preference == TraitsPreference::kDoubling ? 0 : -1;
+  if (data != nullptr) t.cpu_mask.assign(data, h.payload_bytes);
+  traits_[src] = std::move(t);
+  ++traits_heard_;
+  cv_.notify_all();
 }
 
 Status Engine::Impl::ConnectToPeers() {
@@ -252,6 +346,7 @@ void Engine::Impl::AddConnection(Fd fd, int peer, bool outgoing) {
     if (events & (EPOLLIN | EPOLLERR | EPOLLHUP)) c->OnReadable();
     CheckBroken(c);
   });
+  if (outgoing) SendTraits(c);  // before anything else goes out on it
   if (outgoing && sender_) c->set_sender(sender_.get());
   if (outgoing) p2p_.OnConnected(peer);  // answer peer-to-peer requests that came before this connection
   if (!outgoing) {

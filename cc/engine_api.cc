@@ -40,6 +40,7 @@ StatusOr<std::unique_ptr<Engine>> Engine::Start(const EngineConfig& config) {
 int Engine::rank() const { return impl_->rank(); }
 int Engine::size() const { return impl_->size(); }
 const EngineConfig& Engine::config() const { return impl_->config(); }
+bool Engine::small_star() const { return impl_->small_star(); }
 EngineStats Engine::stats() const { return impl_->stats(); }
 void Engine::ResetStats() { impl_->ResetStats(); }
 std::vector<NamedCollectiveStats> Engine::collective_stats(bool reset) { return impl_->CollectiveStats(reset); }
@@ -74,19 +75,22 @@ void Engine::AllReduce(const void* in, void* out, int64_t count, DType dtype, Re
   if (!bad.ok()) return done(bad);
   const int64_t bytes = count * static_cast<int64_t>(DTypeSize(dtype));
   const int n = size();
-  // With two workers recursive doubling is one swap, moving the same bytes as the ring in one step
-  // instead of two: it wins up to about 4x the threshold that suits larger clusters (measured, README).
   const EngineConfig& c = impl_->config();
   const bool pow2 = n > 1 && (n & (n - 1)) == 0;
-  const int64_t threshold = n == 2 ? std::min<int64_t>(4 * c.ring_threshold_bytes, kMaxPayloadBytes)
-                                   : c.ring_threshold_bytes;
+  // Below the threshold: recursive doubling on 2, 4, 8, ... workers unless they agreed on the star (where
+  // cores are short, ChooseSmallStar); the star on any other number.
+  const bool doubling = pow2 && !impl_->small_star();
+  // With two workers recursive doubling is one swap, moving the same bytes as the ring in one step
+  // instead of two: it wins up to about 4x the threshold that suits larger clusters (measured, README).
+  const int64_t threshold = n == 2 && doubling ? std::min<int64_t>(4 * c.ring_threshold_bytes, kMaxPayloadBytes)
+                                               : c.ring_threshold_bytes;
   const bool ring = n > 1 && bytes >= threshold && count >= n;
   // On 4, 8, ... workers, halving-doubling takes the ring's place while there is nothing to pipeline
   // (each of its steps one piece): 2 log2(n) steps instead of 2(n-1) (docs/engine.md has the figures).
   const bool halving = c.halving && ring && n > 2 && pow2 && bytes <= 2 * c.chunk_bytes;
   auto o = halving    ? NewAllReduceHalving(in, out, count, dtype, op, name, std::move(done))
            : ring     ? NewAllReduceRing(in, out, count, dtype, op, name, std::move(done))
-           : pow2     ? NewAllReduceDoubling(in, out, count, dtype, op, name, std::move(done))
+           : doubling ? NewAllReduceDoubling(in, out, count, dtype, op, name, std::move(done))
                       : NewAllReduceStar(in, out, count, dtype, op, name, std::move(done));
   o->shape_sig = shape_sig;
   impl_->Submit(std::move(o));
@@ -220,7 +224,7 @@ Status ReadEnvNumber(const char* var, double min, double max, double* out) {
 
 Status ApplyEnvOverrides(EngineConfig* c) {
   double spin = c->spin_us, halving = c->halving ? 1 : 0, drives = c->caller_drives ? 1 : 0,
-         send_thread = c->send_thread;
+         send_thread = c->send_thread, small_star = c->small_star;
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_SPIN_US", 0, 1e6, &spin));
   RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_HALVING", 0, 1, &halving));
   if (halving != 0 && halving != 1) return InvalidArgument("KUNGFU_HALVING must be 0 or 1");
@@ -230,7 +234,12 @@ Status ApplyEnvOverrides(EngineConfig* c) {
   if (send_thread != 0 && send_thread != 1 && send_thread != -1) {
     return InvalidArgument("KUNGFU_SEND_THREAD must be 1, 0 or -1 (where cores are to spare)");
   }
+  RETURN_IF_ERROR(ReadEnvNumber("KUNGFU_SMALL_STAR", -1, 1, &small_star));
+  if (small_star != 0 && small_star != 1 && small_star != -1) {
+    return InvalidArgument("KUNGFU_SMALL_STAR must be 1, 0 or -1 (where some host has more workers than cores)");
+  }
   c->spin_us = static_cast<int>(spin);
+  c->small_star = static_cast<int>(small_star);
   c->halving = halving != 0;
   c->caller_drives = drives != 0;
   c->send_thread = static_cast<int>(send_thread);

@@ -54,6 +54,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   int rank() const override { return config_.rank; }
   int size() const override { return config_.peers.size(); }
   const EngineConfig& config() const override { return config_; }
+  bool small_star() const { return small_star_; }  // set by Start, then fixed
   void Send(Op* op, int dst, FrameHeader h, const void* data) override;
 
   // Peer-to-peer (cc/p2p/engine_p2p.cc).
@@ -99,6 +100,8 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   void Refused(const std::string& from, const Status& why);  // acceptor thread
   void Admit(Fd fd, int peer);                                // acceptor thread
   void AddConnection(Fd fd, int peer, bool outgoing);
+  void SendTraits(Connection* c);                                  // loop thread: the first frame on c
+  void OnTraits(int src, const FrameHeader& h, const char* data);  // loop thread: a peer's TRAITS frame
   void StartOp(std::unique_ptr<Op> op);
   void Dispatch(ActiveOp& a, int src, const FrameHeader& h, const char* data);
   void MaybeFinish(uint64_t op_id);
@@ -187,6 +190,11 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   std::condition_variable cv_;
   bool flushed_ = false;                   // guarded by mu_
   int incoming_ = 0;                       // guarded by mu_: connections from peers registered (Start)
+  // Guarded by mu_: by rank, what each peer said of itself in its TRAITS frame (Start waits for all), and
+  // how many have; this worker's own entry is filled in by Start.
+  std::vector<std::optional<WorkerTraits>> traits_;
+  int traits_heard_ = 0;
+  bool small_star_ = false;  // Start's agreed choice (ChooseSmallStar); fixed once Start returns
   std::atomic<bool> flushing_{false};       // set on the loop once remaining ops are cancelled
   std::vector<bool> writing_;               // by rank: out_ connection registered for EPOLLOUT
 

@@ -117,7 +117,8 @@ void Engine::Impl::Dispatch(ActiveOp& a, int src, const FrameHeader& h, const ch
     case FrameKind::kResponse:
     case FrameKind::kBye:
     case FrameKind::kFinalizing:
-      return;  // never reach a collective: OnFrame routes them to p2p_, OnPeerLeft and OnPeerFinalizing
+    case FrameKind::kTraits:
+      return;  // never reach a collective: OnFrame routes them to p2p_, OnPeerLeft, OnPeerFinalizing, OnTraits
     case FrameKind::kAbort: {
       const int code = static_cast<int>(h.tag);
       const Code c = code >= 1 && code <= 14 ? static_cast<Code>(code) : Code::kUnknown;
@@ -319,6 +320,7 @@ void Engine::Impl::OnFrame(int src, const FrameHeader& h, std::string name, char
   }
   if (h.kind == FrameKind::kRequest) return p2p_.OnRequest(src, h, name);
   if (h.kind == FrameKind::kResponse) return p2p_.OnResponse(src, h, data);
+  if (h.kind == FrameKind::kTraits) return OnTraits(src, h, data);
   if (h.kind == FrameKind::kBye || h.kind == FrameKind::kFinalizing) {
     ReadStartedByName(src, data, h.payload_bytes);
     return h.kind == FrameKind::kBye ? OnPeerLeft(src, h.generation) : OnPeerFinalizing(src, h.generation);

@@ -86,9 +86,10 @@ Status DecodeFrameHeader(const uint8_t* in, FrameHeader* h, uint32_t* name_len) 
     return InvalidArgument("frame payload of " + std::to_string(h->payload_bytes) + " bytes exceeds the bound of " +
                            std::to_string(kMaxPayloadBytes));
   }
-  // Frames that hold no data are bounded more tightly: an abort's text to 4 KiB, and acks and requests
-  // carry none.
+  // Frames that hold no data are bounded more tightly: an abort's text to 4 KiB, traits to 1 KiB, and
+  // acks and requests carry none.
   if ((h->kind == FrameKind::kAbort && h->payload_bytes > kMaxAbortBytes) ||
+      (h->kind == FrameKind::kTraits && h->payload_bytes > kMaxTraitsBytes) ||
       ((h->kind == FrameKind::kAck || h->kind == FrameKind::kRequest) && h->payload_bytes > 0)) {
     return InvalidArgument("frame of kind " + std::to_string(kind) + " with a payload of " +
                            std::to_string(h->payload_bytes) + " bytes");

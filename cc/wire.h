@@ -18,13 +18,15 @@ constexpr uint32_t kFrameMagic = 0x474e464b;  // "KFNG"
 // 5: adds the pad between the name and the payload.
 // 6: adds the FINALIZING frame.
 // 7: BYE and FINALIZING carry the sender's started counts by name (EncodeStartedByName).
-constexpr uint16_t kProtocolVersion = 7;
+// 8: adds the TRAITS frame.
+constexpr uint16_t kProtocolVersion = 8;
 constexpr size_t kFrameHeaderSize = 64;
 constexpr uint32_t kMaxNameBytes = 4096;
 constexpr uint8_t kMaxPadBytes = 64;
 constexpr uint64_t kMaxPayloadBytes = uint64_t{64} << 20;  // pieces are at most chunk_bytes
 constexpr int64_t kMaxElements = int64_t{1} << 40;
 constexpr uint64_t kMaxAbortBytes = 4096;  // an ABORT frame's text; ACK and REQUEST frames carry none
+constexpr uint64_t kMaxTraitsBytes = 1024;  // a TRAITS frame's CPU mask (8192 CPUs)
 
 enum class FrameKind : uint8_t {
   kData = 1,   // a piece of a collective's payload
@@ -40,8 +42,19 @@ enum class FrameKind : uint8_t {
              // started each name (EncodeStartedByName), or none if that would not fit in a frame
   kFinalizing = 7,  // the sender has begun to finalize and starts no collective but the finalize barrier;
                     // generation and payload: what it started before, as for kBye
+  kTraits = 8,  // the first frame on every connection: what the receiver needs to know of the sender to
+                // pick algorithms as every other worker does. aux = its SmallAllReduce preference
+                // (TraitsPreference); payload = the CPUs it may run on, as sched_getaffinity's mask
+                // (bytes, CPU i is bit i % 8 of byte i / 8; none if unknown)
 };
-constexpr uint8_t kLastFrameKind = 7;
+constexpr uint8_t kLastFrameKind = 8;
+
+// aux of a TRAITS frame: the sender's EngineConfig::small_star.
+enum class TraitsPreference : uint32_t {
+  kAuto = 0,      // small_star -1: let the workers' CPUs decide
+  kStar = 1,      // small_star 1
+  kDoubling = 2,  // small_star 0
+};
 
 // Which collective algorithm produced the frame. Peers must agree; a mismatch is InvalidArgument.
 enum class Algo : uint8_t {

@@ -77,11 +77,12 @@ double Expected(int n, int64_t i, DType d, ReduceOp op) {
 // Every dtype x op x size on one cluster. A huge threshold picks the small-message algorithm (doubling or
 // star), 0 the large-message one: the ring, or on 4, 8, ... workers halving-doubling for buffers of up to
 // two pieces unless halving is false.
-void SweepAllReduce(int n, int64_t ring_threshold, int64_t chunk_bytes, bool halving = true) {
+void SweepAllReduce(int n, int64_t ring_threshold, int64_t chunk_bytes, bool halving = true, int small_star = 0) {
   auto engines = StartCluster(n, [&](EngineConfig& c) {
     c.ring_threshold_bytes = ring_threshold;
     c.chunk_bytes = chunk_bytes;
     c.halving = halving;
+    c.small_star = small_star;
   });
   ASSERT_EQ(static_cast<int>(engines.size()), n);
   const int64_t sizes[] = {0, 1, 2, 7, 1000, 65537};
@@ -111,6 +112,10 @@ void SweepAllReduce(int n, int64_t ring_threshold, int64_t chunk_bytes, bool hal
 
 TEST(AllReduce, StarExactAllTypesNp1To4) {
   for (int n = 1; n <= 4; ++n) SweepAllReduce(n, int64_t{1} << 26, 1 << 20);
+}
+
+TEST(AllReduce, StarInPlaceOfDoublingExactAllTypesNp2And4) {
+  for (int n : {2, 4}) SweepAllReduce(n, int64_t{1} << 26, 1 << 20, true, /*small_star=*/1);
 }
 
 TEST(AllReduce, RingExactAllTypesNp2To4SmallPieces) {

@@ -9,7 +9,7 @@
 
 namespace kungfu::testing {
 
-FakeRank ConnectFakeRank(const PeerList& peers, const HandshakeParams& hs, int self) {
+FakeRank ConnectFakeRank(const PeerList& peers, const HandshakeParams& hs, int self, bool send_traits) {
   FakeRank f;
   auto listener = Listen(peers.at(self).port);
   if (!listener.ok()) return f;
@@ -21,6 +21,22 @@ FakeRank ConnectFakeRank(const PeerList& peers, const HandshakeParams& hs, int s
   if (!ServerHandshake(accepted.get(), as_self, DeadlineAfter(10)).ok()) return f;
   auto out = ConnectWithRetry(peers.at(0), DeadlineAfter(10));
   if (!out.ok() || !ClientHandshake(out.value().get(), hs, self, peers.at(self), 0, DeadlineAfter(10)).ok()) return f;
+  // Each side's first frame says what it runs on: the fake's, with no preference and no CPU mask (rank 0 then
+  // decides alone), and rank 0's, read here so that a test's first read is what it provokes.
+  FrameHeader traits;
+  traits.kind = FrameKind::kTraits;
+  traits.cluster_version = peers.version();
+  const std::vector<uint8_t> frame = EncodeFrame(traits, "kungfu/traits");
+  if (send_traits && !WriteFull(out.value().get(), frame.data(), frame.size(), DeadlineAfter(10)).ok()) return f;
+  uint8_t head[kFrameHeaderSize];
+  FrameHeader got;
+  uint32_t name_len = 0;
+  if (!ReadFull(accepted.get(), head, sizeof(head), DeadlineAfter(10)).ok() ||
+      !DecodeFrameHeader(head, &got, &name_len).ok() || got.kind != FrameKind::kTraits) {
+    return f;
+  }
+  std::vector<uint8_t> rest(name_len + got.pad + got.payload_bytes);
+  if (!ReadFull(accepted.get(), rest.data(), rest.size(), DeadlineAfter(10)).ok()) return f;
   f.rank0_writes = std::move(accepted);
   f.rank0_reads = std::move(out.value());
   return f;
@@ -39,6 +55,7 @@ StatusOr<std::unique_ptr<Engine>> StartBesideFakeRanks(const PeerList& peers, st
   c.peers = peers;
   c.token = "test-token";
   c.timeout_seconds = 20;
+  c.small_star = 0;  // the frames tests send are recursive doubling's on any machine
   if (tweak) tweak(c);
   auto engine = Engine::Start(c);
   for (auto& t : threads) t.join();

@@ -21,8 +21,9 @@ struct FakeRank {
   Fd rank0_writes, rank0_reads;
 };
 
-// Plays rank `self` of `peers`: accepts rank 0's connection on its port and connects to rank 0.
-FakeRank ConnectFakeRank(const PeerList& peers, const HandshakeParams& hs, int self);
+// Plays rank `self` of `peers`: accepts rank 0's connection on its port and connects to rank 0, then
+// sends its first frame (TRAITS: no preference, no CPU mask) unless send_traits is false, and reads rank 0's.
+FakeRank ConnectFakeRank(const PeerList& peers, const HandshakeParams& hs, int self, bool send_traits = true);
 
 // Rank 0 of `peers`, a real engine with a 20 s timeout (tweak, if set, edits its config), and fake
 // ranks 1 .. n-1 connected to it: (*fakes)[r] for rank r ((*fakes)[0] stays empty).

@@ -46,6 +46,7 @@ FrameHeader RandomValidHeader(Rng& rng, uint32_t* name_len) {
   h.offset = static_cast<int64_t>(Pick(rng, static_cast<uint64_t>(h.count) + 1));
   h.payload_bytes = Pick(rng, 4) == 0 ? 0 : Pick(rng, 4 << 10);
   if (h.kind == FrameKind::kAck || h.kind == FrameKind::kRequest) h.payload_bytes = 0;  // these carry none
+  if (h.kind == FrameKind::kTraits) h.payload_bytes %= kMaxTraitsBytes + 1;
   *name_len = static_cast<uint32_t>(1 + Pick(rng, Pick(rng, 8) == 0 ? kMaxNameBytes : 16));
   return h;
 }
@@ -56,7 +57,8 @@ bool WithinBounds(const FrameHeader& h, uint32_t name_len) {
   const auto algo = static_cast<uint8_t>(h.algo);
   return kind >= 1 && kind <= kLastFrameKind && algo >= 1 && algo <= kLastAlgo && h.pad < kMaxPadBytes &&
          name_len >= 1 && name_len <= kMaxNameBytes && h.payload_bytes <= kMaxPayloadBytes && h.count >= 0 &&
-         h.count <= kMaxElements && h.offset >= 0 && h.offset <= h.count;
+         h.count <= kMaxElements && h.offset >= 0 && h.offset <= h.count &&
+         (h.kind != FrameKind::kTraits || h.payload_bytes <= kMaxTraitsBytes);
 }
 
 TEST(Fuzz, FrameHeaderDecoderStaysInBounds) {
@@ -220,7 +222,8 @@ TEST(Fuzz, ConnectionParsesMutatedStreams) {
     for (int f = 0; f < frames; ++f) {
       uint32_t name_len = 0;
       FrameHeader h = RandomValidHeader(rng, &name_len);
-      if (Pick(rng, 6) == 0 && (h.kind != FrameKind::kAbort && h.kind != FrameKind::kAck && h.kind != FrameKind::kRequest)) {
+      if (Pick(rng, 6) == 0 && (h.kind != FrameKind::kAbort && h.kind != FrameKind::kAck &&
+                                h.kind != FrameKind::kRequest && h.kind != FrameKind::kTraits)) {
         h.payload_bytes = 16 * 1024 + Pick(rng, 80 * 1024);  // the direct read path
       }
       uint8_t header[kFrameHeaderSize];

@@ -70,6 +70,14 @@ TEST(Wire, HeaderRoundTripAndBounds) {
   h.pad = kMaxPadBytes;
   EncodeFrameHeader(h, 4, buf);
   EXPECT_TRUE(!DecodeFrameHeader(buf, &g, &name_len).ok());
+  h.pad = 0;
+  h.kind = FrameKind::kTraits;  // a CPU mask of at most 1 KiB
+  h.payload_bytes = kMaxTraitsBytes;
+  EncodeFrameHeader(h, 4, buf);
+  EXPECT_OK(DecodeFrameHeader(buf, &g, &name_len));
+  h.payload_bytes = kMaxTraitsBytes + 1;
+  EncodeFrameHeader(h, 4, buf);
+  EXPECT_TRUE(!DecodeFrameHeader(buf, &g, &name_len).ok());
 }
 
 TEST(Wire, PayloadsFromEveryOffsetWithinACacheLine) {
