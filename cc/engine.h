@@ -187,14 +187,15 @@ class Engine {
 };
 
 // Reads KUNGFU_TIMEOUT, KUNGFU_RING_THRESHOLD, KUNGFU_CHUNK_BYTES, KUNGFU_HALVING, KUNGFU_SMALL_STAR,
-// KUNGFU_MAX_PENDING_BYTES and KUNGFU_SPIN_US into config, leaving fields whose variable is unset. Bad values are an InvalidArgument naming
-// the variable.
+// KUNGFU_MAX_PENDING_BYTES, KUNGFU_SPIN_US, KUNGFU_CALLER_DRIVES and KUNGFU_SEND_THREAD into config, leaving
+// fields whose variable is unset. Bad values are an InvalidArgument naming the variable.
 Status ApplyEnvOverrides(EngineConfig* config);
 
 // What each worker says of itself at Start (the TRAITS frame), so that all of them pick the same algorithm.
 struct WorkerTraits {
   int small_star = -1;   // its EngineConfig::small_star
-  std::string cpu_mask;  // the CPUs it may run on (sched_getaffinity's bits, bit i % 8 of byte i / 8); empty: unknown
+  // The CPUs it may run on: sched_getaffinity's, CPU i as bit i % 8 of byte i / 8; empty if unknown.
+  std::string cpu_mask;
 };
 
 // The small-message allreduce on 2, 4, 8, ... workers, from every worker's traits (by rank) and the peer
