@@ -21,7 +21,12 @@ BAZEL ?= bazel
 NPROC := $(shell nproc 2>/dev/null || echo 2)
 SUDO := $(if $(filter 0,$(shell id -u)),,sudo)
 
-APT_PACKAGES := build-essential bazel-bootstrap openmpi-bin libopenmpi-dev iproute2
+# Python's headers, for the eager extension setup.py builds (python/kungfu/ops/_eager.cc): Debian's
+# python3-dev where this Python has none (a Python of its own, like pyenv's, brings them).
+PYTHON_HAS_HEADERS := $(shell $(PYTHON) -c 'import os, sysconfig; \
+    print(os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h")))' 2>/dev/null)
+APT_PACKAGES := build-essential bazel-bootstrap openmpi-bin libopenmpi-dev iproute2 \
+                $(if $(filter True,$(PYTHON_HAS_HEADERS)),,python3-dev)
 PIP := $(PYTHON) -m pip --disable-pip-version-check
 PIP_INSTALL := $(PIP) install --root-user-action=ignore
 # Where pip puts console scripts (kfrun): pyenv's shims only see new ones after `pyenv rehash`.

@@ -1,9 +1,12 @@
-"""Builds kungfu/_kungfu.so and installs the kungfu package:  pip install --no-build-isolation .
+"""Builds kungfu/_kungfu.so and kungfu/ops/_eager.so and installs the kungfu package:
+pip install --no-build-isolation .
 
 The library holds the engine (cc/, cc/transport/, cc/collective/, cc/p2p/) and the TensorFlow kernels
-(kf_ops/). Its flags come from tools/tf_config.py (tf.sysconfig), as Bazel's do. Objects are kept
-under build/ and recompiled only when their source, a header they include (from the compiler's .d
-files) or the flags change, up to one compiler per core at a time. Python sources come from
+(kf_ops/). Its flags come from tools/tf_config.py (tf.sysconfig), as Bazel's do. kungfu/ops/_eager.so is a
+small Python extension (python/kungfu/ops/_eager.cc: the eager collectives' C way to the library's C API),
+built with the same flags plus Python's headers, and linked to TF's C API library (libtensorflow_cc).
+Objects are kept under build/ and recompiled only when their source, a header they include (from the
+compiler's .d files) or the flags change, up to one compiler per core at a time. Python sources come from
 python/kungfu, and policies/ is installed as kungfu.policies.
 """
 
@@ -13,6 +16,7 @@ import os
 import shlex
 import subprocess
 import sys
+import sysconfig
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
@@ -25,8 +29,20 @@ SOURCE_GLOBS = ["cc/*.cc", "cc/transport/*.cc", "cc/collective/*.cc", "cc/p2p/*.
 OPT_FLAGS = ["-O3", "-DNDEBUG", "-fPIC", "-pthread"]  # Bazel: -c opt --copt=-O3 (.bazelrc)
 
 
+EAGER_SOURCE = "python/kungfu/ops/_eager.cc"
+
+
 def library_sources():
     return sorted(path for pattern in SOURCE_GLOBS for path in glob.glob(pattern, root_dir=ROOT))
+
+
+def python_include():
+    """Python's include directory, checked: the eager extension needs Python.h."""
+    include = sysconfig.get_paths()["include"]
+    if not os.path.exists(os.path.join(include, "Python.h")):
+        raise RuntimeError(f"kungfu: Python's headers are missing ({include}/Python.h): install them (Debian: "
+                           "apt-get install python3-dev; `make deps` does) and build again")
+    return include
 
 
 def _read(path):
@@ -44,7 +60,8 @@ def _needs_compile(obj, dep_file):
 
 
 class BuildKungfu(build_ext):
-    """Compiles and links the one shared object with the flags from tools/tf_config.py."""
+    """Compiles and links each shared object with the flags from tools/tf_config.py (the eager extension
+    also with Python's headers and TF's C API library), each into its own folder of objects."""
 
     def get_ext_filename(self, ext_name):
         return os.path.join(*ext_name.split(".")) + ".so"  # kungfu/_kungfu.so, no ABI tag
@@ -53,7 +70,13 @@ class BuildKungfu(build_ext):
         flags = tf_config.tf_flags()
         cxx = shlex.split(os.environ.get("CXX", "c++"))
         cflags = OPT_FLAGS + ["-I" + ROOT] + flags["cflags"]
-        obj_dir = os.path.join(os.path.abspath(self.build_temp), "kungfu_obj")
+        ldflags = flags["ldflags"]
+        obj_name = "kungfu_obj"
+        if ext.name == "kungfu.ops._eager":
+            cflags = cflags + ["-I" + python_include()]
+            ldflags = ldflags + ["-L" + flags["lib_dir"], "-l:libtensorflow_cc.so.2"]
+            obj_name = "eager_obj"
+        obj_dir = os.path.join(os.path.abspath(self.build_temp), obj_name)
         os.makedirs(obj_dir, exist_ok=True)
         # Objects built with other flags are removed, so a failed build leaves none behind.
         flags_file, flags_text = os.path.join(obj_dir, "cflags.txt"), shlex.join(cxx + cflags)
@@ -81,7 +104,7 @@ class BuildKungfu(build_ext):
 
         output = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(output), exist_ok=True)
-        link = cxx + ["-shared", "-o", output] + objects + flags["ldflags"] + ["-pthread"]
+        link = cxx + ["-shared", "-o", output] + objects + ldflags + ["-pthread"]
         subprocess.run(link, cwd=ROOT, check=True)
 
 
@@ -97,7 +120,8 @@ setup(
     python_requires=">=3.10",
     package_dir={"": "python", "kungfu.policies": "policies"},
     packages=packages(),
-    ext_modules=[Extension("kungfu._kungfu", sources=library_sources())],
+    ext_modules=[Extension("kungfu._kungfu", sources=library_sources()),
+                 Extension("kungfu.ops._eager", sources=[EAGER_SOURCE])],
     cmdclass={"build_ext": BuildKungfu},
     entry_points={"console_scripts": ["kfrun=kungfu.launcher:main"]},
     install_requires=["tensorflow-cpu==2.21.0", "absl-py", "numpy"],

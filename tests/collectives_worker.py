@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import kungfu  # noqa: E402
+from kungfu.ops import _direct  # noqa: E402
 
 import collectives_meeting_checks  # noqa: E402
 from collectives_meeting_checks import through_the_op_on  # noqa: E402
@@ -80,6 +81,32 @@ def eager_collectives_around_tf_meet_the_op():
         x = data(0 if same else min(rank, 1), [2, 3], tf.bfloat16)
         agreed = through_the_op_on(odd, lambda: kungfu.consensus(x, name="direct/meets/op/consensus"))
         assert bool(agreed) == (same or size == 1), f"consensus, inputs {'alike' if same else 'differing'}"
+
+
+@check
+def eager_c_way_meets_the_dlpack_way():
+    """The two ways eager collectives go around TF's dispatch (kungfu/ops/_direct.py): the C extension on even
+    ranks, the DLPack calls on odd ones, for each collective; values exact, and a mismatch fails on both."""
+    rank, size = kungfu.rank(), kungfu.size()
+    _direct.USE_EXTENSION = rank % 2 == 0
+    try:
+        for dtype in COPY_DTYPES:
+            for shape in [[], [0], [7], [2, 3]]:
+                if dtype in REDUCE_DTYPES:
+                    y = kungfu.all_reduce(data(rank, shape, dtype, "sum"), name="ways/all_reduce")
+                    assert_equal(y, expected_reduce(shape, dtype, "sum", size), f"all_reduce {dtype.name} {shape}")
+                y = kungfu.broadcast(data(rank, shape, dtype), root=size - 1, name="ways/broadcast")
+                assert_equal(y, data(size - 1, shape, dtype), f"broadcast {dtype.name} {shape}")
+            y = kungfu.all_gather(data(rank, [ROWS[rank % 4], 3], dtype), name="ways/all_gather")
+            want = np.concatenate([data(r, [ROWS[r % 4], 3], dtype) for r in range(size)])
+            assert_equal(y, want, f"all_gather {dtype.name}")
+        assert bool(kungfu.consensus(tf.constant([rank, 1]), name="ways/consensus")) == (size == 1)
+        if size > 1:
+            problem = collectives_meeting_checks.invalid_argument_problem(
+                lambda: kungfu.all_reduce(tf.ones([2 + rank % 2]), name="ways/mismatch"), "ways/mismatch")
+            assert problem is None, problem
+    finally:
+        _direct.USE_EXTENSION = True
 
 
 @check

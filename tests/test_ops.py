@@ -36,6 +36,20 @@ def sample(shape, dtype):
     return tf.constant(values.reshape(shape), dtype=dtype)
 
 
+def both_ways(test):
+    """Runs test(self) twice: eager calls by the C way (kungfu.ops._eager), then by the DLPack way (_direct.py)."""
+    def run(self):
+        for use_extension in (True, False):
+            _direct.USE_EXTENSION = use_extension
+            try:
+                with self.subTest(way="C" if use_extension else "DLPack"):
+                    test(self)
+            finally:
+                _direct.USE_EXTENSION = True
+    run.__name__, run.__doc__ = test.__name__, test.__doc__
+    return run
+
+
 class SizeOneTest(tf.test.TestCase):
 
     @classmethod
@@ -104,8 +118,31 @@ class SizeOneTest(tf.test.TestCase):
                     self.assertEqual(y.dtype, dtype)
                     self.assertAllEqual(y, x, msg=f"{dtype.name} {op} {shape}")
 
+    def test_the_private_tf_api_of_the_eager_path_is_there(self):
+        """The C way of eager collectives (python/kungfu/ops/_eager.cc) reaches EagerTensors through three
+        private functions of TF's Python bindings. When a TF upgrade removes or renames them, eager calls
+        fall back to the DLPack way (slower, still right) and this test says what changed."""
+        problem = _direct._eager_problem()
+        self.assertIsNone(problem, f"the eager collectives' C way cannot run with TF {tf.__version__}: {problem}")
+        self.assertIs(_direct._fast(), _direct._extension)
+        x = tf.constant([[1.5, -2.0], [3.0, 4.0]])
+        refs = sys.getrefcount(x)
+        y = _direct._extension.all_reduce(x, 1, b"private/api")  # the round trip through those functions
+        self.assertIsInstance(y, type(x))
+        self.assertAllEqual(y, x)
+        self.assertEqual(sys.getrefcount(y), 2)  # a new reference, held by y alone (and the call's argument)
+        for _ in range(100):
+            _direct._extension.broadcast(x, 0, b"private/api")
+        self.assertEqual(sys.getrefcount(x), refs)  # the input is borrowed, not kept
+        self.assertIsNone(_direct._extension.all_reduce(np.ones(2), 1, b"private/api/numpy"))  # not an EagerTensor
+        with self.assertRaisesRegex(TypeError, "the key must be bytes"):
+            _direct._extension.all_reduce(x, 1, "private/api")
+        with self.assertRaisesRegex(TypeError, r"all_reduce\(\) takes 3 arguments \(2 given\)"):
+            _direct._extension.all_reduce(x, 1)
+
+    @both_ways
     def test_eager_all_reduce_around_tf_gives_what_the_op_gives(self):
-        """Eagerly, with nothing watching, all_reduce hands the tensor to the engine as DLPack (_direct.py): the
+        """Eagerly, with nothing watching, all_reduce hands the tensor to the engine itself (_direct.py): the
         result is a new tensor of the same dtype and shape, aligned as TF's own, equal to the op's."""
         for dtype in REDUCE_DTYPES:
             for shape in [[], [0], [1], [7], [3, 5], [2, 0, 4], [1000]]:
@@ -124,6 +161,7 @@ class SizeOneTest(tf.test.TestCase):
                     self.assertNotEqual(direct._numpy().ctypes.data, x._numpy().ctypes.data)  # not the input
                 self.assertAllEqual(direct * 2, x * 2)  # an ordinary TF tensor from here on
 
+    @both_ways
     def test_eager_copies_around_tf_give_what_the_ops_give(self):
         """broadcast, all_gather and consensus go around TF's dispatch as all_reduce does (_direct.py), for every
         dtype they take: the same results as the ops, new aligned tensors."""
@@ -191,6 +229,7 @@ class SizeOneTest(tf.test.TestCase):
         finally:
             module.kf_all_reduce = original
 
+    @both_ways
     def test_eager_all_reduce_around_tf_does_not_leak(self):
         """Each result's buffer comes from the engine and is freed when TF frees the tensor."""
         def rss_mb():
@@ -416,6 +455,31 @@ def test_first_collective_in_a_later_trace():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[1.0, 1.0] [1.0, 1.0]"
+
+
+def test_eager_collectives_fall_back_to_dlpack_with_one_warning():
+    # Where the C way cannot run (here: TF's library of private functions is not where it is looked for, as
+    # after a TF upgrade that moves it), eager collectives still work, the DLPack way, and say so once.
+    code = ("import kungfu, tensorflow as tf\n"
+            "from kungfu.ops import _direct\n"
+            "_direct._PYWRAP_LIBRARY = 'lib_moved_away.so'\n"
+            "kungfu.init()\n"
+            "print(kungfu.all_reduce(tf.ones(2)).numpy().tolist(), kungfu.broadcast(tf.ones(2)).numpy().tolist())\n"
+            "print(_direct._fast() is None, _direct._eager_problem())\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.strip().splitlines()
+    assert lines[-2] == "[1.0, 1.0] [1.0, 1.0]", out.stdout
+    assert lines[-1].startswith("True RuntimeError: TensorFlow's ") and "lib_moved_away.so is not loaded" in lines[-1]
+    assert out.stderr.count("eager collectives take the slower DLPack way") == 1, out.stderr[-3000:]
+
+
+def test_a_bad_eager_direct_setting_is_a_value_error():
+    code = "import kungfu, tensorflow as tf\nkungfu.init()\nkungfu.all_reduce(tf.ones(2))\n"
+    env = dict(os.environ, KUNGFU_EAGER_DIRECT="yes")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0
+    assert "ValueError: KUNGFU_EAGER_DIRECT must be 1 (the default), dlpack or 0; got 'yes'" in out.stderr
 
 
 def test_a_bad_engine_setting_is_a_value_error_naming_it():

@@ -5,23 +5,32 @@ most of an eager all_reduce's CPU time on few cores: on the 2-core VM a 4 KiB ca
 worker, the engine's C call 3-7 us, and with more workers than cores every microsecond of it counts about
 twice (README, Allreduce). So, when nothing watches eager ops (_naming.unobserved(): no GradientTape, no
 op callback), kungfu.all_reduce, broadcast, all_gather and consensus hand the tensor to the engine
-themselves, as DLPack:
-  - tf.experimental.dlpack.to_dlpack lends the input's buffer (no copy; the capsule holds a reference);
-  - a C call (kungfu_all_reduce_dlpack, kungfu_broadcast_dlpack, kungfu_all_gather_dlpack; cc/c_api.h) runs
-    the collective, blocking, into a new 64-byte-aligned buffer, under the same key, dtype and shape checks
-    as the kernel's (cc/tensor_meta.h), so eager calls on one worker meet graph or op calls of the same
-    collective on another;
-  - tf.experimental.dlpack.from_dlpack makes that buffer the result tensor (no copy; TF frees it).
+themselves, one of two ways:
+  - the C way (kungfu.ops._eager, python/kungfu/ops/_eager.cc), the default: one call of that extension
+    lends the EagerTensor's buffer to the C API (no copy), runs the collective with the GIL released and
+    makes the engine's buffer the result tensor (no copy). It reaches the EagerTensor's handle through
+    three private C++ functions of TF's Python bindings (see that file; _naming.py lists every TF
+    internal the project relies on);
+  - the DLPack way, where the extension cannot run (_eager_problem() says why; kungfu warns once, and
+    tests/test_ops.py fails), or with KUNGFU_EAGER_DIRECT=dlpack: tf.experimental.dlpack.to_dlpack lends
+    the input's buffer (the capsule holds a reference), a ctypes call runs the collective, and
+    tf.experimental.dlpack.from_dlpack makes the engine's buffer the result. On the 2-core VM, a 4 KiB
+    all_reduce took 12-16 us this way against 6-8 the C way on one worker, and 219-271 against 190-225 us
+    on 4 workers (each after a barrier, the slowest worker's median; README, Allreduce).
+Both call the C API's kungfu_all_reduce_dlpack, kungfu_broadcast_dlpack, kungfu_all_gather_dlpack and
+kungfu_consensus_dlpack (cc/c_api.h), which run the collective, blocking, into a new 64-byte-aligned buffer,
+under the same key, dtype and shape checks as the kernel's (cc/tensor_meta.h), so eager calls on one worker
+meet graph or op calls of the same collective on another.
 The result is what the op returns: all_reduce and broadcast a new tensor of the input's dtype and shape,
-all_gather the workers' tensors concatenated along the first dimension. consensus (kungfu_consensus_dlpack)
-returns a scalar bool tensor, and kungfu.barrier, which has no tensor, calls kungfu_barrier. A failure
-raises the tf.errors.OpError of the engine's status code with the engine's message, as the op does
-(without the op's " [Op:KfAllReduce]" suffix). An input the C API does not take (not in host memory) runs
-the op. Eager calls no longer show up as ops in TF's profiler. KUNGFU_EAGER_DIRECT=0 runs the ops always.
-group_all_reduce keeps the op: its fusion into buckets lives in the kernel (kf_ops/fusion.cc).
+all_gather the workers' tensors concatenated along the first dimension. consensus returns a scalar bool
+tensor, and kungfu.barrier, which has no tensor, calls kungfu_barrier. A failure raises the tf.errors.OpError
+of the engine's status code with the engine's message, as the op does (without the op's " [Op:KfAllReduce]"
+suffix). An input the C API does not take (not in host memory) runs the op. Eager calls no longer show up
+as ops in TF's profiler. KUNGFU_EAGER_DIRECT=0 runs the ops always. group_all_reduce keeps the op: its fusion
+into buckets lives in the kernel (kf_ops/fusion.cc).
 
-The capsule calls go through ctypes.pythonapi with function types of this module's own (PYFUNCTYPE: they
-hold the GIL), so other users of ctypes.pythonapi keep their declarations.
+The DLPack way's capsule calls go through ctypes.pythonapi with function types of this module's own
+(PYFUNCTYPE: they hold the GIL), so other users of ctypes.pythonapi keep their declarations.
 """
 
 import ctypes
@@ -32,7 +41,13 @@ import tensorflow as tf
 
 from .. import _lib
 
-ENABLED = os.environ.get("KUNGFU_EAGER_DIRECT", "1").strip() != "0"
+_MODE = os.environ.get("KUNGFU_EAGER_DIRECT", "1").strip().lower()
+if _MODE not in ("0", "1", "dlpack"):
+    raise ValueError(f"KUNGFU_EAGER_DIRECT must be 1 (the default), dlpack or 0; got {_MODE!r}")
+ENABLED = _MODE != "0"
+# Whether the C way is wanted (tests switch it to compare the two ways); the extension decides whether it runs.
+USE_EXTENSION = _MODE == "1"
+_PYWRAP_LIBRARY = "lib_pywrap_tensorflow_common.so"  # under TF's python/: where the C way's private functions live
 _REDUCE_CODES = {"sum": 1, "min": 2, "max": 3, "prod": 4, "mean": 5}  # cc/dtype.h ReduceOp wire values
 _NOT_TAKEN = -1  # kungfu_all_reduce_dlpack: nothing started, run the op
 _ERR_LEN = 4096
@@ -87,6 +102,49 @@ def _error(code, err):
     return _ERRORS.get(code, tf.errors.UnknownError)(None, None, err.value.decode(errors="replace"))
 
 
+_extension = None  # kungfu.ops._eager once set up; None before the first call or where it cannot run
+_extension_problem = None  # why the C way cannot run (a str), once looked at
+
+
+def _eager_problem():
+    """None when the C way (kungfu.ops._eager) runs here, else why not; looks once, on first use (it loads
+    the library)."""
+    global _extension, _extension_problem
+    if _extension is None and _extension_problem is None:
+        try:
+            from . import _eager
+
+            c = _lib.c_api()
+            addresses = [ctypes.cast(fn, ctypes.c_void_p).value for fn in (
+                c.kungfu_all_reduce_dlpack, c.kungfu_broadcast_dlpack, c.kungfu_all_gather_dlpack,
+                c.kungfu_consensus_dlpack)]
+            _eager.setup(*addresses, os.path.join(tf.sysconfig.get_lib(), "python", _PYWRAP_LIBRARY))
+            _extension = _eager
+        except (ImportError, RuntimeError, OSError) as e:
+            _extension_problem = f"{type(e).__name__}: {e}"
+            _lib._warn("kungfu: eager collectives take the slower DLPack way (kungfu/ops/_direct.py): %s",
+                       _extension_problem)
+    return _extension_problem
+
+
+def _fast():
+    """kungfu.ops._eager, set up, when eager calls take the C way; else None (the DLPack way)."""
+    if _extension is not None:
+        return _extension if USE_EXTENSION else None
+    if not USE_EXTENSION or _eager_problem() is not None:
+        return None
+    return _extension
+
+
+def _outcome(result):
+    """What a call of kungfu.ops._eager returned, as the collective's result: a tensor (or bool), None (not
+    taken: the caller runs the op), or the op's error raised for (code, message)."""
+    if type(result) is tuple:
+        code, message = result
+        raise _ERRORS.get(code, tf.errors.UnknownError)(None, None, message.decode(errors="replace"))
+    return result
+
+
 def _lend(x):
     """The DLManagedTensor pointer of a capsule lending x, and the capsule (keep it until the call is done),
     or (None, None) when DLPack cannot describe x: the op decides then."""
@@ -114,6 +172,9 @@ def _result(code, out, err):
 def all_reduce(x, op, key):
     """kungfu.all_reduce of the eager tensor x (op: a checked reduce op name; key: the collective's key),
     or None, with nothing started, when the C API does not take x: the caller runs the op then."""
+    fast = _fast()
+    if fast is not None:
+        return _outcome(fast.all_reduce(x, _REDUCE_CODES[op], key.encode()))
     pointer, capsule = _lend(x)
     if capsule is None:
         return None
@@ -124,6 +185,9 @@ def all_reduce(x, op, key):
 
 def broadcast(x, root, key):
     """kungfu.broadcast of the eager tensor x from root (a checked rank), or None as all_reduce's."""
+    fast = _fast()
+    if fast is not None:
+        return _outcome(fast.broadcast(x, root, key.encode()))
     pointer, capsule = _lend(x)
     if capsule is None:
         return None
@@ -133,6 +197,9 @@ def broadcast(x, root, key):
 
 def all_gather(x, key):
     """kungfu.all_gather of the eager tensor x, or None as all_reduce's."""
+    fast = _fast()
+    if fast is not None:
+        return _outcome(fast.all_gather(x, key.encode()))
     pointer, capsule = _lend(x)
     if capsule is None:
         return None
@@ -140,24 +207,31 @@ def all_gather(x, key):
     return _result(_lib.c_api().kungfu_all_gather_dlpack(pointer, key.encode(), out, err, _ERR_LEN), out, err)
 
 
-_agreed = {}  # 0 and 1: consensus's results, made on first use (not at import: that would start TF's runtime)
+_agreed = {}  # False and True: consensus's results, made on first use (not at import: that would start TF's runtime)
 
 
 def consensus(x, key):
     """kungfu.consensus of the eager tensor x (a scalar bool tensor), or None as all_reduce's."""
-    pointer, capsule = _lend(x)
-    if capsule is None:
-        return None
-    err, _ = _buffers()
-    same = _same()
-    code = _lib.c_api().kungfu_consensus_dlpack(pointer, key.encode(), same, err, _ERR_LEN)
-    if code == _NOT_TAKEN:
-        return None
-    if code != 0:
-        raise _error(code, err)
-    result = _agreed.get(same.value)
+    fast = _fast()
+    if fast is not None:
+        same = _outcome(fast.consensus(x, key.encode()))
+        if same is None:
+            return None
+    else:
+        pointer, capsule = _lend(x)
+        if capsule is None:
+            return None
+        err, _ = _buffers()
+        agreed = _same()
+        code = _lib.c_api().kungfu_consensus_dlpack(pointer, key.encode(), agreed, err, _ERR_LEN)
+        if code == _NOT_TAKEN:
+            return None
+        if code != 0:
+            raise _error(code, err)
+        same = bool(agreed.value)
+    result = _agreed.get(same)
     if result is None:  # eager tensors are immutable: every call may return the same one
-        result = _agreed[same.value] = tf.constant(bool(same.value))
+        result = _agreed[same] = tf.constant(same)
     return result
 
 

@@ -45,7 +45,9 @@ auto_control_deps.register_acd_resource_resolver, Graph._get_function and its re
 AutoGraph's mark on the functions it calls as they are (no_autograph); for eager collectives (ops()),
 pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction and context.context()._handle; and, for the eager collectives
 that skip TF's dispatch (unobserved(), _direct.py), pywrap_tfe.TFE_Py_TapeSetIsEmpty and
-context.context().op_callbacks.
+context.context().op_callbacks. The C way of those eager collectives (python/kungfu/ops/_eager.cc) also
+calls three C++ functions of TF's Python bindings, EagerTensor_CheckExact, EagerTensor_Handle and
+EagerTensorFromHandle (tensorflow/python/eager/pywrap_tensor.h); tests/test_ops.py checks them.
 """
 
 import collections
