@@ -27,8 +27,8 @@
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <string>
-#include <vector>
 
 #include "cc/dlpack.h"
 #include "tensorflow/c/c_api.h"
@@ -88,10 +88,10 @@ bool ToDLPack(TF_DataType t, DLDataType* out) {
   }
 }
 
-// One thread's TF_Status, made once and reused (TF_NewStatus allocates).
+// One thread's TF_Status, made once and reused (TF_NewStatus allocates), deleted when the thread ends.
 TF_Status* ThreadStatus() {
-  thread_local TF_Status* status = TF_NewStatus();
-  return status;
+  thread_local std::unique_ptr<TF_Status, decltype(&TF_DeleteStatus)> status(TF_NewStatus(), &TF_DeleteStatus);
+  return status.get();
 }
 
 // An input as the C API wants it: a DLManagedTensor that borrows the EagerTensor's buffer (the caller's
