@@ -97,9 +97,9 @@ def _same():
     return same
 
 
-def _error(code, err):
-    """The tf.errors.OpError a failed op with this status code (nonzero) and message would raise."""
-    return _ERRORS.get(code, tf.errors.UnknownError)(None, None, err.value.decode(errors="replace"))
+def _error(code, message):
+    """The tf.errors.OpError a failed op with this status code (nonzero) and message (bytes) would raise."""
+    return _ERRORS.get(code, tf.errors.UnknownError)(None, None, message.decode(errors="replace"))
 
 
 _extension = None  # kungfu.ops._eager once set up; None before the first call or where it cannot run
@@ -140,8 +140,7 @@ def _outcome(result):
     """What a call of kungfu.ops._eager returned, as the collective's result: a tensor (or bool), None (not
     taken: the caller runs the op), or the op's error raised for (code, message)."""
     if type(result) is tuple:
-        code, message = result
-        raise _ERRORS.get(code, tf.errors.UnknownError)(None, None, message.decode(errors="replace"))
+        raise _error(*result)
     return result
 
 
@@ -160,7 +159,7 @@ def _result(code, out, err):
     if code == _NOT_TAKEN:
         return None
     if code != 0:
-        raise _error(code, err)
+        raise _error(code, err.value)
     result = out.value
     try:
         return _from_dlpack(_new_capsule(result, _CAPSULE, None))
@@ -207,7 +206,7 @@ def all_gather(x, key):
     return _result(_lib.c_api().kungfu_all_gather_dlpack(pointer, key.encode(), out, err, _ERR_LEN), out, err)
 
 
-_agreed = {}  # False and True: consensus's results, made on first use (not at import: that would start TF's runtime)
+_agreed = {}  # False, True: consensus's results, made on first use (at import it would start TF's runtime)
 
 
 def consensus(x, key):
@@ -227,7 +226,7 @@ def consensus(x, key):
         if code == _NOT_TAKEN:
             return None
         if code != 0:
-            raise _error(code, err)
+            raise _error(code, err.value)
         same = bool(agreed.value)
     result = _agreed.get(same)
     if result is None:  # eager tensors are immutable: every call may return the same one
@@ -240,4 +239,4 @@ def barrier(key):
     err, _ = _buffers()
     code = _lib.c_api().kungfu_barrier(key.encode(), err, _ERR_LEN)
     if code != 0:
-        raise _error(code, err)
+        raise _error(code, err.value)

@@ -50,8 +50,7 @@ constexpr const char* kFromHandleName = "_Z21EagerTensorFromHandleP16TFE_TensorH
 
 // The C API's eager calls (cc/c_api.h), from the library kungfu loaded (_lib.py): their addresses come from
 // Python, so that a library named by KUNGFU_LIBRARY serves here too.
-using AllReduceFn = int (*)(const void*, int, const char*, void**, char*, int);
-using BroadcastFn = int (*)(const void*, int, const char*, void**, char*, int);
+using IntKeyFn = int (*)(const void*, int, const char*, void**, char*, int);  // all-reduce (op), broadcast (root)
 using AllGatherFn = int (*)(const void*, const char*, void**, char*, int);
 using ConsensusFn = int (*)(const void*, const char*, int*, char*, int);
 
@@ -59,8 +58,8 @@ struct Api {
   CheckExactFn check_exact = nullptr;
   HandleFn handle = nullptr;
   FromHandleFn from_handle = nullptr;
-  AllReduceFn all_reduce = nullptr;
-  BroadcastFn broadcast = nullptr;
+  IntKeyFn all_reduce = nullptr;
+  IntKeyFn broadcast = nullptr;
   AllGatherFn all_gather = nullptr;
   ConsensusFn consensus = nullptr;
   bool ready = false;
@@ -215,22 +214,22 @@ PyObject* TensorCall(PyObject* x, Call call) {
   return Adopt(static_cast<DLManagedTensor*>(out), lent.dtype);
 }
 
-PyObject* AllReduce(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  int op;
+// all_reduce(x, op, key) and broadcast(x, root, key): the C API calls of that one shape.
+PyObject* IntKeyCall(const char* name, IntKeyFn fn, PyObject* const* args, Py_ssize_t n) {
+  int arg;
   const char* key;
-  if (!Ready() || !Arity("all_reduce", n, 3) || !IntArg(args[1], &op) || !KeyArg(args[2], &key)) return nullptr;
+  if (!Ready() || !Arity(name, n, 3) || !IntArg(args[1], &arg) || !KeyArg(args[2], &key)) return nullptr;
   return TensorCall(args[0], [&](const void* in, void** out, char* err) {
-    return api.all_reduce(in, op, key, out, err, kErrLen);
+    return fn(in, arg, key, out, err, kErrLen);
   });
 }
 
+PyObject* AllReduce(PyObject*, PyObject* const* args, Py_ssize_t n) {
+  return IntKeyCall("all_reduce", api.all_reduce, args, n);
+}
+
 PyObject* Broadcast(PyObject*, PyObject* const* args, Py_ssize_t n) {
-  int root;
-  const char* key;
-  if (!Ready() || !Arity("broadcast", n, 3) || !IntArg(args[1], &root) || !KeyArg(args[2], &key)) return nullptr;
-  return TensorCall(args[0], [&](const void* in, void** out, char* err) {
-    return api.broadcast(in, root, key, out, err, kErrLen);
-  });
+  return IntKeyCall("broadcast", api.broadcast, args, n);
 }
 
 PyObject* AllGather(PyObject*, PyObject* const* args, Py_ssize_t n) {
@@ -305,8 +304,8 @@ PyObject* Setup(PyObject*, PyObject* const* args, Py_ssize_t n) {
   found.check_exact = reinterpret_cast<CheckExactFn>(syms[0]);
   found.handle = reinterpret_cast<HandleFn>(syms[1]);
   found.from_handle = reinterpret_cast<FromHandleFn>(syms[2]);
-  found.all_reduce = reinterpret_cast<AllReduceFn>(fns[0]);
-  found.broadcast = reinterpret_cast<BroadcastFn>(fns[1]);
+  found.all_reduce = reinterpret_cast<IntKeyFn>(fns[0]);
+  found.broadcast = reinterpret_cast<IntKeyFn>(fns[1]);
   found.all_gather = reinterpret_cast<AllGatherFn>(fns[2]);
   found.consensus = reinterpret_cast<ConsensusFn>(fns[3]);
   found.ready = true;
