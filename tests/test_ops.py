@@ -194,6 +194,63 @@ class SizeOneTest(tf.test.TestCase):
             kungfu.all_gather(tf.zeros([0, 2**40, 2**40]))
         self.assertEqual(kungfu.all_gather(tf.zeros([0, 2**20, 2**20])).shape, [0, 2**20, 2**20])
 
+    def test_the_short_way_takes_plain_eager_calls_and_leaves_the_rest(self):
+        """all_reduce, broadcast and all_gather hand a plain eager call (an EagerTensor, a lower-case op, a
+        str name or none, an int root) to the C way before any check of their own (_direct.short()); every
+        other call, and every call the C API does not take, goes the long way, with its checks and errors."""
+        self.assertIsNotNone(_direct._fast())
+        real, calls = _direct._extension, []
+
+        class Recorder:
+            def __getattr__(self, what):
+                def call(*args):
+                    calls.append(what)
+                    return getattr(real, what)(*args)
+                return call
+
+        x = tf.constant([1.0, 2.0])
+        _direct._extension = Recorder()
+        try:
+            self.assertIs(_direct.short(), _direct._extension)
+            self.assertAllEqual(kungfu.all_reduce(x, name="short/a"), x)
+            self.assertAllEqual(kungfu.all_reduce(x, op="max"), x)
+            self.assertAllEqual(kungfu.broadcast(x, 0, name="short/b"), x)
+            self.assertAllEqual(kungfu.all_gather(x), x)
+            self.assertEqual(calls, ["all_reduce", "all_reduce", "broadcast", "all_gather"])
+            calls.clear()
+            # Not in the short way's form: the long way converts, checks and calls the C way itself.
+            self.assertAllEqual(kungfu.all_reduce([1.0, 2.0], op="SUM"), x)
+            self.assertAllEqual(kungfu.broadcast(x, root=np.int64(0)), x)
+            self.assertEqual(calls, ["all_reduce", "broadcast"])
+            calls.clear()
+            for call, error, message in [
+                    (lambda: kungfu.all_reduce(x, op="avg"), ValueError, "op must be one of"),
+                    (lambda: kungfu.all_reduce(x, name=""), ValueError, "name must be a non-empty string"),
+                    (lambda: kungfu.all_gather(x, name=5), ValueError, "name must be a non-empty string"),
+                    (lambda: kungfu.broadcast(x, root=1), ValueError, r"root must be a rank in \[0, 1\)"),
+                    (lambda: kungfu.broadcast(x, root=True), ValueError, "root must be a Python int")]:
+                with self.assertRaisesRegex(error, message):
+                    call()
+            self.assertEqual(calls, [])
+            # Taken by neither way's C call: a dtype the C API refuses gets the long way's TypeError.
+            with self.assertRaisesRegex(TypeError, "dtype bool is not supported"):
+                kungfu.all_reduce(tf.constant([True]))
+            self.assertEqual(calls, ["all_reduce"])
+            calls.clear()
+            with tf.GradientTape():
+                self.assertIsNone(_direct.short())
+                kungfu.all_reduce(x)
+            tf.function(lambda: kungfu.all_reduce(x))()
+            self.assertEqual(calls, [])  # a tape records the op; a traced call is an op in the graph
+            _direct.USE_EXTENSION = False
+            try:
+                self.assertAllEqual(kungfu.all_reduce(x), x)  # the DLPack way
+            finally:
+                _direct.USE_EXTENSION = True
+            self.assertEqual(calls, [])
+        finally:
+            _direct._extension = real
+
     def test_watched_eager_all_reduce_runs_the_op(self):
         """A tape must record the op for the gradient, an op callback must see it: then the op runs."""
         module = _lib.op_module()
@@ -204,28 +261,28 @@ class SizeOneTest(tf.test.TestCase):
             return original(*args, **kwargs)
 
         x = tf.constant([1.0, 2.0])
-        self.assertTrue(_naming.unobserved())
+        self.assertTrue(_naming.eager_unobserved())
         module.kf_all_reduce = spy
         try:
             kungfu.all_reduce(x)
             self.assertEqual(calls, [])
             with tf.GradientTape() as tape:
                 tape.watch(x)
-                self.assertFalse(_naming.unobserved())
+                self.assertFalse(_naming.eager_unobserved())
                 y = kungfu.all_reduce(x * x)
             self.assertEqual(len(calls), 1)
             self.assertAllEqual(tape.gradient(y, x), [2.0, 4.0])  # its all_reduce runs the op too
             self.assertEqual(len(calls), 2)
             with tf.autodiff.ForwardAccumulator(x, tf.ones([2])):
-                self.assertFalse(_naming.unobserved())
+                self.assertFalse(_naming.eager_unobserved())
             tf.debugging.enable_check_numerics()  # an op callback
             try:
-                self.assertFalse(_naming.unobserved())
+                self.assertFalse(_naming.eager_unobserved())
                 kungfu.all_reduce(x)
             finally:
                 tf.debugging.disable_check_numerics()
             self.assertEqual(len(calls), 3)
-            self.assertTrue(_naming.unobserved())
+            self.assertTrue(_naming.eager_unobserved())
         finally:
             module.kf_all_reduce = original
 

@@ -301,12 +301,17 @@ def test_eager_collectives_run_op_by_op_and_leave_tf_as_it_was():
 
 
 def test_eager_all_reduce_knows_when_tf_watches():
-    """An eager all_reduce goes around TF's op dispatch only while no tape and no op callback would see the op
-    (_naming.unobserved(), kungfu/ops/_direct.py); it asks TF through private APIs."""
+    """An eager all_reduce goes around TF's op dispatch only while it runs eagerly and no tape and no op
+    callback would see the op (_naming.eager_unobserved(), kungfu/ops/_direct.py); it asks TF through
+    private APIs."""
     assert _naming._tape_set_is_empty is not None, (
-        "tensorflow.python.pywrap_tfe.TFE_Py_TapeSetIsEmpty or Context.op_callbacks is gone: every eager "
-        "all_reduce and barrier runs the TF op again, slower (kungfu/ops/_naming.py, unobserved())")
-    assert _naming.unobserved()
+        "tensorflow.python.pywrap_tfe.TFE_Py_TapeSetIsEmpty, Context.op_callbacks or Context.executing_eagerly "
+        "is gone: every eager all_reduce and barrier runs the TF op again, slower (kungfu/ops/_naming.py, "
+        "eager_unobserved())")
+    assert _naming.eager_unobserved()
     with tf.GradientTape():
-        assert not _naming.unobserved()
-    assert _naming.unobserved()
+        assert not _naming.eager_unobserved()
+    assert _naming.eager_unobserved()
+    seen = []
+    tf.function(lambda: seen.append(_naming.eager_unobserved()))()  # traced: a graph, not eager
+    assert seen == [False]

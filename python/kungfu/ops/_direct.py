@@ -1,11 +1,11 @@
 """The eager collectives that go around TensorFlow's op dispatch.
 
-Eagerly, a collective's kernel only hands its input to the engine and waits, yet dispatching it costs
-most of an eager all_reduce's CPU time on few cores: on the 2-core VM a 4 KiB call took 35-55 us on one
-worker, the engine's C call 3-7 us, and with more workers than cores every microsecond of it counts about
-twice (README, Allreduce). So, when nothing watches eager ops (_naming.unobserved(): no GradientTape, no
-op callback), kungfu.all_reduce, broadcast, all_gather and consensus hand the tensor to the engine
-themselves, one of two ways:
+Eagerly, a collective's kernel only hands its input to the engine and waits, yet dispatching it costs most of
+an eager all_reduce's CPU time on few cores: on the 2-core VM a 4 KiB call took 35-55 us on one worker, the
+engine's C call 3-7 us, and with more workers than cores every microsecond of it counts about twice
+(benchmarks/results/allreduce_history.md). So, when nothing watches eager ops (_naming.eager_unobserved(): no
+GradientTape, no op callback), kungfu.all_reduce, broadcast, all_gather and consensus hand the tensor to the
+engine themselves, one of two ways:
   - the C way (kungfu.ops._eager, python/kungfu/ops/_eager.cc), the default: one call of that extension
     lends the EagerTensor's buffer to the C API (no copy), runs the collective with the GIL released and
     makes the engine's buffer the result tensor (no copy). It reaches the EagerTensor's handle through
@@ -16,7 +16,8 @@ themselves, one of two ways:
     the input's buffer (the capsule holds a reference), a ctypes call runs the collective, and
     tf.experimental.dlpack.from_dlpack makes the engine's buffer the result. On the 2-core VM, a 4 KiB
     all_reduce took 12-16 us this way against 6-8 the C way on one worker, and 219-271 against 190-225 us
-    on 4 workers (each after a barrier, the slowest worker's median; README, Allreduce).
+    on 4 workers (each after a barrier, the slowest worker's median;
+    benchmarks/results/allreduce_history.md).
 Both call the C API's kungfu_all_reduce_dlpack, kungfu_broadcast_dlpack, kungfu_all_gather_dlpack and
 kungfu_consensus_dlpack (cc/c_api.h), which run the collective, blocking, into a new 64-byte-aligned buffer,
 under the same key, dtype and shape checks as the kernel's (cc/tensor_meta.h), so eager calls on one worker
@@ -29,6 +30,15 @@ suffix). An input the C API does not take (not in host memory) runs the op. Eage
 as ops in TF's profiler. KUNGFU_EAGER_DIRECT=0 runs the ops always. group_all_reduce keeps the op: its fusion
 into buckets lives in the kernel (kf_ops/fusion.cc).
 
+The short way (short(), 2026-11-29): all_reduce, broadcast and all_gather first offer a call in its plain form
+(an EagerTensor, a lower-case reduce op, a str name or none, an int root) to the C way, before the wrapper's
+own checks, which then run only for what it does not take. On 4 workers sharing the 2-core VM every
+microsecond of Python before the engine's call costs about ten of wall time (3.5 us of pure Python there
+took a 4 KiB call from about 125 to 130-210 us); the short way skips about 2 of the wrapper's 3.5: blocks of
+calls in turn in the same processes, the long way against the short one, 4 KiB, slowest worker's median,
+the median block 169-171 against 156-159 us on 4 workers (the short way faster in 65 of 80 blocks), 30
+against 26 us on 2 (29 of 30).
+
 The DLPack way's capsule calls go through ctypes.pythonapi with function types of this module's own
 (PYFUNCTYPE: they hold the GIL), so other users of ctypes.pythonapi keep their declarations.
 """
@@ -40,6 +50,7 @@ import threading
 import tensorflow as tf
 
 from .. import _lib
+from . import _naming
 
 _MODE = os.environ.get("KUNGFU_EAGER_DIRECT", "1").strip().lower()
 if _MODE not in ("0", "1", "dlpack"):
@@ -48,7 +59,7 @@ ENABLED = _MODE != "0"
 # Whether the C way is wanted (tests switch it to compare the two ways); the extension decides whether it runs.
 USE_EXTENSION = _MODE == "1"
 _PYWRAP_LIBRARY = "lib_pywrap_tensorflow_common.so"  # under TF's python/: where the C way's private functions live
-_REDUCE_CODES = {"sum": 1, "min": 2, "max": 3, "prod": 4, "mean": 5}  # cc/dtype.h ReduceOp wire values
+REDUCE_CODES = {"sum": 1, "min": 2, "max": 3, "prod": 4, "mean": 5}  # cc/dtype.h ReduceOp wire values
 _NOT_TAKEN = -1  # kungfu_all_reduce_dlpack: nothing started, run the op
 _ERR_LEN = 4096
 _CAPSULE = b"dltensor"  # the DLPack capsule's name, before a consumer renames it "used_dltensor"
@@ -136,7 +147,19 @@ def _fast():
     return _extension
 
 
-def _outcome(result):
+def short():
+    """The C way's extension when an eager collective may take the short way now, else None: the C way is
+    on and set up, kungfu.init() has run, and the call is eager with nothing watching. The wrappers in
+    collective.py then hand their arguments to it before any check of their own, and go the long way
+    (which checks, converts and names) when it takes nothing (None: not an EagerTensor in host memory, or a
+    dtype the C API does not take) or when an argument is not in the form the short way takes. A 4 KiB
+    all_reduce on one worker: 4 us against 6 the long way (the extension's call alone: 2.4)."""
+    if not (ENABLED and USE_EXTENSION) or _extension is None or not _lib.initialized():
+        return None
+    return _extension if _naming.eager_unobserved() else None
+
+
+def outcome(result):
     """What a call of kungfu.ops._eager returned, as the collective's result: a tensor (or bool), None (not
     taken: the caller runs the op), or the op's error raised for (code, message)."""
     if type(result) is tuple:
@@ -173,12 +196,12 @@ def all_reduce(x, op, key):
     or None, with nothing started, when the C API does not take x: the caller runs the op then."""
     fast = _fast()
     if fast is not None:
-        return _outcome(fast.all_reduce(x, _REDUCE_CODES[op], key.encode()))
+        return outcome(fast.all_reduce(x, REDUCE_CODES[op], key.encode()))
     pointer, capsule = _lend(x)
     if capsule is None:
         return None
     err, out = _buffers()
-    return _result(_lib.c_api().kungfu_all_reduce_dlpack(pointer, _REDUCE_CODES[op], key.encode(), out, err,
+    return _result(_lib.c_api().kungfu_all_reduce_dlpack(pointer, REDUCE_CODES[op], key.encode(), out, err,
                                                          _ERR_LEN), out, err)
 
 
@@ -186,7 +209,7 @@ def broadcast(x, root, key):
     """kungfu.broadcast of the eager tensor x from root (a checked rank), or None as all_reduce's."""
     fast = _fast()
     if fast is not None:
-        return _outcome(fast.broadcast(x, root, key.encode()))
+        return outcome(fast.broadcast(x, root, key.encode()))
     pointer, capsule = _lend(x)
     if capsule is None:
         return None
@@ -198,7 +221,7 @@ def all_gather(x, key):
     """kungfu.all_gather of the eager tensor x, or None as all_reduce's."""
     fast = _fast()
     if fast is not None:
-        return _outcome(fast.all_gather(x, key.encode()))
+        return outcome(fast.all_gather(x, key.encode()))
     pointer, capsule = _lend(x)
     if capsule is None:
         return None
@@ -213,7 +236,7 @@ def consensus(x, key):
     """kungfu.consensus of the eager tensor x (a scalar bool tensor), or None as all_reduce's."""
     fast = _fast()
     if fast is not None:
-        same = _outcome(fast.consensus(x, key.encode()))
+        same = outcome(fast.consensus(x, key.encode()))
         if same is None:
             return None
     else:

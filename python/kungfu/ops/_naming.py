@@ -37,15 +37,15 @@ XLA. The ops have no XLA kernels, so a collective traced in a function that XLA 
 (jit_compile=True, which Keras's model.compile picks by itself when a GPU is visible) is refused at
 trace time with the fix, rather than by a long tf2xla error at the first step.
 
-TF internals relied on (checked by tests/test_ops_naming.py, which fails clearly if an upgrade
-changes them): the class names of control-flow FuncGraphs, FuncGraph.outer_graph,
-Graph.unique_name, control_flow_util.GraphOrParentsInXlaContext (the check is skipped without it),
-and, to order calls of functions holding collectives (end of this file),
-auto_control_deps.register_acd_resource_resolver, Graph._get_function and its result's .graph;
-AutoGraph's mark on the functions it calls as they are (no_autograph); for eager collectives (ops()),
-pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction and context.context()._handle; and, for the eager collectives
-that skip TF's dispatch (unobserved(), _direct.py), pywrap_tfe.TFE_Py_TapeSetIsEmpty and
-context.context().op_callbacks. The C way of those eager collectives (python/kungfu/ops/_eager.cc) also
+TF internals relied on (checked by tests/test_ops_naming.py, which fails clearly if an upgrade changes them):
+the class names of control-flow FuncGraphs, FuncGraph.outer_graph, Graph.unique_name,
+control_flow_util.GraphOrParentsInXlaContext (the check is skipped without it), and, to order calls of
+functions holding collectives (end of this file), auto_control_deps.register_acd_resource_resolver,
+Graph._get_function and its result's .graph; AutoGraph's mark on the functions it calls as they are
+(no_autograph); for eager collectives (ops()), pywrap_tfe.TFE_ContextSetRunEagerOpAsFunction and
+context.context()._handle; and, for the eager collectives that skip TF's dispatch (eager_unobserved(),
+_direct.py), pywrap_tfe.TFE_Py_TapeSetIsEmpty, context.context().op_callbacks and
+context.context().executing_eagerly(). The C way of those eager collectives (python/kungfu/ops/_eager.cc) also
 calls three C++ functions of TF's Python bindings, EagerTensor_CheckExact, EagerTensor_Handle and
 EagerTensorFromHandle (tensorflow/python/eager/pywrap_tensor.h); tests/test_ops.py checks them.
 """
@@ -75,6 +75,8 @@ try:  # for the eager collectives around TF's dispatch (_direct.py): nothing may
     _tape_set_is_empty = _pywrap_tfe.TFE_Py_TapeSetIsEmpty  # no GradientTape, no ForwardAccumulator
     if not isinstance(getattr(_eager_context.Context, "op_callbacks", None), property):
         raise AttributeError("op_callbacks")
+    if not callable(getattr(_eager_context.Context, "executing_eagerly", None)):
+        raise AttributeError("executing_eagerly")
 except (NameError, AttributeError):  # a TF without them: every eager all_reduce runs the op (the test fails)
     _tape_set_is_empty = None
 
@@ -122,16 +124,28 @@ def collective_key(op, name, eager=None):
     if name is not None and (not isinstance(name, str) or not name):
         raise ValueError(f"{op}: name must be a non-empty string, got {name!r}")
     if eager:
-        if name is not None:
-            return name
-        scope = getattr(_key_scopes, "scope", "")
-        return f"eager/{scope}/{op}" if scope else f"eager/{op}"
+        return name if name is not None else _derived_eager_key(op)
     graph = tf.compat.v1.get_default_graph()
     refuse_xla(graph, op)
     if name is not None:
         _claim(graph, name, op)
         return name
     return f"{function_graph(graph).name}/{graph.unique_name(op)}"
+
+
+def _derived_eager_key(op):
+    scope = getattr(_key_scopes, "scope", "")
+    return f"eager/{scope}/{op}" if scope else f"eager/{op}"
+
+
+def eager_key_bytes(op, name):
+    """collective_key(op, name, True) encoded, for the eager collectives' short way (_direct.short()), or
+    None for a name that collective_key would refuse (the long way raises its error then)."""
+    if name is None:
+        return _derived_eager_key(op).encode()
+    if type(name) is str and name:
+        return name.encode()
+    return None
 
 
 @contextlib.contextmanager
@@ -166,15 +180,17 @@ def call_inputs(op, name):
     return key_tensor(op, name, eager), token(eager), eager
 
 
-def unobserved():
-    """Whether an eager op run now would be seen by nothing but its caller: no GradientTape or
-    ForwardAccumulator is recording on this thread (TF's own record.could_possibly_record), and no op
-    callback (tf.debugging.experimental.enable_dump_debug_info, check_numerics) is registered. Only then may
-    an eager collective skip TensorFlow's op dispatch (_direct.py): a tape must record the op for its
-    gradient, a callback must see it."""
-    if _tape_set_is_empty is None or not _tape_set_is_empty():
+def eager_unobserved():
+    """Whether an op run now would run eagerly (tf.executing_eagerly()) and be seen by nothing but its
+    caller: no GradientTape or ForwardAccumulator is recording on this thread (TF's own
+    record.could_possibly_record), and no op callback (tf.debugging.experimental.enable_dump_debug_info,
+    check_numerics) is registered. Only then may an eager collective skip TensorFlow's op dispatch
+    (_direct.py): a tape must record the op for its gradient, a callback must see it. Asked before every
+    eager collective, so it looks at the eager context once."""
+    if _tape_set_is_empty is None:
         return False
-    return not _eager_context.context().op_callbacks
+    context = _eager_context.context()
+    return context.executing_eagerly() and _tape_set_is_empty() and not context.op_callbacks
 
 
 def ops(eager):
@@ -188,10 +204,10 @@ def ops(eager):
     eager collective turns the flag off just for its own dispatch and back on after it (the two calls cost
     under 1 us): about 10-15 us less CPU per call on the 2-core VM, where blocks of back-to-back eager
     4 KiB all_reduces, with and without, took 34-51 against 47-73 us a call on one worker and 98-109
-    against 93-133 us on two (README, Allreduce). Another thread's eager op dispatched in that window also
-    runs op by op, the path every context made through TF's C API takes by default: its result is the same,
-    only its speed and its error's wording differ (no "{{function_node __wrapped__<Op>...}}" prefix, as for
-    the collectives now). KUNGFU_EAGER_OP_BY_OP=0 keeps TF's default. In a graph the ops are only built, so
+    against 93-133 us on two (benchmarks/results/allreduce_history.md). Another thread's eager op
+    dispatched in that window also runs op by op, the path every context made through TF's C API takes
+    by default: its result is the same, only its speed and its error's wording differ (no
+    "{{function_node __wrapped__<Op>...}}" prefix, as for the collectives now). KUNGFU_EAGER_OP_BY_OP=0 keeps TF's default. In a graph the ops are only built, so
     nothing changes there."""
     module = _lib.op_module()
     if not eager or _set_op_as_function is None or not _OP_BY_OP:

@@ -41,7 +41,7 @@ _no_autograph = _naming.no_autograph
 
 def _direct_call():
     """Whether this call may go around TensorFlow's op dispatch (_direct.py): eager, with nothing watching."""
-    return _direct.ENABLED and tf.executing_eagerly() and _naming.unobserved()
+    return _direct.ENABLED and _naming.eager_unobserved()
 
 
 def _reduce_op(op, what):
@@ -69,6 +69,14 @@ def all_reduce(x, op="sum", name=None):
     op: "sum", "mean" (sum / size(); integer dtypes truncate), "min", "max" or "prod".
     Every worker must pass the same dtype and number of elements.
     """
+    fast = _direct.short()
+    if fast is not None:  # the short way (_direct.short)
+        code = _direct.REDUCE_CODES.get(op)
+        key = _naming.eager_key_bytes("all_reduce", name)
+        if code is not None and key is not None:
+            y = fast.all_reduce(x, code, key)
+            if y is not None:
+                return _direct.outcome(y)
     op = _reduce_op(op, "all_reduce")
     _lib.require_init("kungfu.all_reduce")
     x = _tensor(x, REDUCE_DTYPES, "all_reduce")
@@ -164,6 +172,13 @@ def check_root(root, what):
 @_no_autograph
 def broadcast(x, root=0, name=None):
     """Every worker gets root's x. Every worker must pass the same dtype and number of elements."""
+    fast = _direct.short()
+    if fast is not None and type(root) is int and 0 <= root < _lib.size():  # the short way (_direct.short)
+        key = _naming.eager_key_bytes("broadcast", name)
+        if key is not None:
+            y = fast.broadcast(x, root, key)
+            if y is not None:
+                return _direct.outcome(y)
     _lib.require_init("kungfu.broadcast")
     root = check_root(root, "broadcast")
     x = _tensor(x, COPY_DTYPES, "broadcast")
@@ -183,6 +198,13 @@ def all_gather(x, name=None):
     (otherwise every worker raises InvalidArgumentError). A scalar counts as a one-element vector,
     so gathering scalars gives a vector of size() elements.
     """
+    fast = _direct.short()
+    if fast is not None:  # the short way (_direct.short)
+        key = _naming.eager_key_bytes("all_gather", name)
+        if key is not None:
+            y = fast.all_gather(x, key)
+            if y is not None:
+                return _direct.outcome(y)
     _lib.require_init("kungfu.all_gather")
     x = _tensor(x, COPY_DTYPES, "all_gather")
     if _direct_call():
