@@ -81,7 +81,8 @@ void Engine::AllReduce(const void* in, void* out, int64_t count, DType dtype, Re
   // cores are short, ChooseSmallStar); the star on any other number.
   const bool doubling = pow2 && !impl_->small_star();
   // With two workers recursive doubling is one swap, moving the same bytes as the ring in one step
-  // instead of two: it wins up to about 4x the threshold that suits larger clusters (measured, README).
+  // instead of two: it wins up to about 4x the threshold that suits larger clusters (measured: docs/engine.md,
+  // "The small-message crossover").
   const int64_t threshold = n == 2 && doubling ? std::min<int64_t>(4 * c.ring_threshold_bytes, kMaxPayloadBytes)
                                                : c.ring_threshold_bytes;
   const bool ring = n > 1 && bytes >= threshold && count >= n;
