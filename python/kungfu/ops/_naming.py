@@ -207,8 +207,8 @@ def ops(eager):
     against 93-133 us on two (benchmarks/results/allreduce_history.md). Another thread's eager op
     dispatched in that window also runs op by op, the path every context made through TF's C API takes
     by default: its result is the same, only its speed and its error's wording differ (no
-    "{{function_node __wrapped__<Op>...}}" prefix, as for the collectives now). KUNGFU_EAGER_OP_BY_OP=0 keeps TF's default. In a graph the ops are only built, so
-    nothing changes there."""
+    "{{function_node __wrapped__<Op>...}}" prefix, as for the collectives now). KUNGFU_EAGER_OP_BY_OP=0
+    keeps TF's default. In a graph the ops are only built, so nothing changes there."""
     module = _lib.op_module()
     if not eager or _set_op_as_function is None or not _OP_BY_OP:
         return module
