@@ -225,6 +225,7 @@ class SizeOneTest(tf.test.TestCase):
             calls.clear()
             for call, error, message in [
                     (lambda: kungfu.all_reduce(x, op="avg"), ValueError, "op must be one of"),
+                    (lambda: kungfu.all_reduce(x, op=["sum"]), ValueError, "op must be one of"),  # unhashable
                     (lambda: kungfu.all_reduce(x, name=""), ValueError, "name must be a non-empty string"),
                     (lambda: kungfu.all_gather(x, name=5), ValueError, "name must be a non-empty string"),
                     (lambda: kungfu.broadcast(x, root=1), ValueError, r"root must be a rank in \[0, 1\)"),
