@@ -136,14 +136,7 @@ class GroupAllReduceOp : public CollectiveKernel {
     std::vector<Tensor*> outs(n);
     std::vector<int64_t> bytes(n), counts(n);
     std::vector<kungfu::DType> dtypes(n);
-    for (int i = 0; i < n; ++i) {
-      const Tensor& in = ctx->input(i);
-      OP_REQUIRES_OK_ASYNC(ctx, ViewOf(in, &ins[i]), done);
-      OP_REQUIRES_OK_ASYNC(ctx, ctx->forward_input_or_allocate_output({i}, i, in.shape(), &outs[i]), done);
-      bytes[i] = static_cast<int64_t>(in.TotalBytes());
-      counts[i] = ins[i].count;
-      dtypes[i] = ins[i].dtype;
-    }
+    OP_REQUIRES_OK_ASYNC(ctx, ViewInputs(ctx, n, &ins, &outs, &bytes, &counts, &dtypes), done);
     Tensor* local_sq = nullptr;
     Tensor* reduced_sq = nullptr;
     if (norms_) {
@@ -164,26 +157,14 @@ class GroupAllReduceOp : public CollectiveKernel {
     // With norms, this worker's sum of squares travels in the last packed float bucket, one element
     // more at its end, started after every other part has been summed; without such a bucket (or for
     // min, max and prod) it is an all-reduce of its own.
-    int carrier = -1;
-    if (squares && (op_ == kungfu::ReduceOp::kSum || op_ == kungfu::ReduceOp::kMean)) {
-      for (int p = static_cast<int>(plan.size()) - 1; p >= 0 && carrier < 0; --p) {
-        const kungfu::DType d = plan[p].dtype;
-        if (plan[p].packed && (d == kungfu::DType::kFloat32 || d == kungfu::DType::kFloat64)) carrier = p;
-      }
-    }
+    const int carrier = squares ? Carrier(plan) : -1;
     // Parts are named by their place in the plan, whatever they hold, and every part's signature covers
     // the whole group: workers whose lists differ (in length, a dtype, a shape, the layout) then meet at part 0 at
     // least and fail there with InvalidArgument, which cancels the rest, instead of waiting out the timeout.
     std::vector<std::string> names;  // each part's collective name, as started below
     for (size_t p = 0; p < plan.size(); ++p) names.push_back(key + "/" + std::to_string(p));
     if (squares && carrier < 0) names.push_back(key + "/sq");
-    uint32_t group_sig = CombineSignatures(static_cast<uint32_t>(n), static_cast<uint32_t>(fusion_bytes_));
-    group_sig = CombineSignatures(group_sig, static_cast<uint32_t>(layout_));
-    group_sig = CombineSignatures(group_sig, static_cast<uint32_t>(static_cast<uint64_t>(layout_) >> 32));
-    for (int i = 0; i < n; ++i) {
-      group_sig = CombineSignatures(group_sig, static_cast<uint32_t>(dtypes[i]));
-      group_sig = CombineSignatures(group_sig, ShapeSignature(ctx->input(i).shape()));
-    }
+    const uint32_t group_sig = GroupSignature(ctx, dtypes);
     auto group = std::make_shared<GroupCompletion>(ctx, std::move(done), names.size(), squares ? reduced_sq : nullptr,
                                                    engine, names);
     double local = 0;  // this worker's sum of squares of the inputs
@@ -214,6 +195,45 @@ class GroupAllReduceOp : public CollectiveKernel {
   }
 
  private:
+  // The n inputs' views, and outputs (an input's buffer where TF lets it be reused), sizes and dtypes.
+  static absl::Status ViewInputs(OpKernelContext* ctx, int n, std::vector<BufferView>* ins,
+                                 std::vector<Tensor*>* outs, std::vector<int64_t>* bytes,
+                                 std::vector<int64_t>* counts, std::vector<kungfu::DType>* dtypes) {
+    for (int i = 0; i < n; ++i) {
+      const Tensor& in = ctx->input(i);
+      TF_RETURN_IF_ERROR(ViewOf(in, &(*ins)[i]));
+      TF_RETURN_IF_ERROR(ctx->forward_input_or_allocate_output({i}, i, in.shape(), &(*outs)[i]));
+      (*bytes)[i] = static_cast<int64_t>(in.TotalBytes());
+      (*counts)[i] = (*ins)[i].count;
+      (*dtypes)[i] = (*ins)[i].dtype;
+    }
+    return absl::OkStatus();
+  }
+
+  // The part whose buffer carries the inputs' squared norm: the last packed float32 or float64 bucket,
+  // for sum and mean only; -1 when there is none (the norm is then an all-reduce of its own).
+  int Carrier(const std::vector<FusionPart>& plan) const {
+    if (op_ != kungfu::ReduceOp::kSum && op_ != kungfu::ReduceOp::kMean) return -1;
+    for (int p = static_cast<int>(plan.size()) - 1; p >= 0; --p) {
+      const kungfu::DType d = plan[p].dtype;
+      if (plan[p].packed && (d == kungfu::DType::kFloat32 || d == kungfu::DType::kFloat64)) return p;
+    }
+    return -1;
+  }
+
+  // The signature every part carries: the whole group's length, fusion bytes, layout, dtypes and shapes.
+  uint32_t GroupSignature(OpKernelContext* ctx, const std::vector<kungfu::DType>& dtypes) const {
+    const int n = static_cast<int>(dtypes.size());
+    uint32_t sig = CombineSignatures(static_cast<uint32_t>(n), static_cast<uint32_t>(fusion_bytes_));
+    sig = CombineSignatures(sig, static_cast<uint32_t>(layout_));
+    sig = CombineSignatures(sig, static_cast<uint32_t>(static_cast<uint64_t>(layout_) >> 32));
+    for (int i = 0; i < n; ++i) {
+      sig = CombineSignatures(sig, static_cast<uint32_t>(dtypes[i]));
+      sig = CombineSignatures(sig, ShapeSignature(ctx->input(i).shape()));
+    }
+    return sig;
+  }
+
   // Packs the bucket's inputs, reduces in place, and unpacks into the outputs on completion; with
   // squares, sums them in both copies and returns the inputs' sum. With carry (a float bucket, sum or
   // mean), *carry plus that sum rides as one more element at the end of the buffer, and its mean over

@@ -233,13 +233,32 @@ class DistributedMixin:
             layout = _reduce.present_layout(live, len(grads))
         if kf.sparse_as_dense:  # before the branches, which must all return the same structure
             g_live = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g for g in g_live]
+        current, last, switched, phase, prefix = self._kungfu_strategy_step(v_live)
 
+        def pair():
+            _averaging.pair_average(v_live, prefix, self.iterations, phase)
+            return g_live
+
+        branches = {"ssgd": lambda: self._kungfu_ssgd(g_live, v_live, switched, layout),
+                    "sma": lambda: self._kungfu_sma(g_live, v_live, last, layout),
+                    "pair_averaging": pair}
+        new = tf.switch_case(current, [_scoped(s, branches[s]) for s in STRATEGIES])
+        out = list(grads)
+        for i, g in zip(live, new):
+            out[i] = g
+        return out
+
+    def _kungfu_strategy_step(self, v_live):
+        """This step's strategy bookkeeping, before the branches: (the strategy's index, the last step's
+        (-1: none yet), whether it changed since then, the pair averaging phase, the pair store prefix of
+        v_live)."""
+        kf = self._kungfu
         prefix, set_id = self._kungfu_pair_store(v_live)
         # Assigned by hand, strategy_variable may hold an index of none: fail the step, naming it.
         current = checked_index(kf.strategy.read_value(), f"{self.name}: strategy_variable holds")
         last = kf.last_strategy.read_value()
         switched = tf.logical_and(tf.not_equal(current, last), tf.greater_equal(last, 0))
-        pair_index, sma_index = strategy_index("pair_averaging"), strategy_index("sma")
+        pair_index = strategy_index("pair_averaging")
         # A new phase on entering pair averaging, or on a step over another set of variables than the last
         # one's: a peer's copy of this set published before (say, before a layer was frozen and unfrozen
         # again) is out of date, and must count as none.
@@ -249,68 +268,51 @@ class DistributedMixin:
         phase = kf.pair_phase.assign(tf.where(entering_pair, kf.pair_phase + 1, kf.pair_phase))
         kf.last_strategy.assign(current)
         kf.last_set.assign(set_id)
+        return current, last, switched, phase, prefix
 
-        def ssgd():
-            # Coming from another strategy, the workers' models (and optimizer states) have drifted
-            # apart, and the same mean gradient would keep them apart: start from their mean.
-            import keras
+    def _kungfu_ssgd(self, g_live, v_live, switched, layout):
+        """The ssgd branch: the gradients' mean over the workers. Coming from another strategy, the
+        workers' models (and optimizer states) have drifted apart, and the same mean gradient would keep
+        them apart: on the switching step they first start from their mean."""
+        import keras
 
-            scale = self.dynamic_scale if isinstance(self, keras.optimizers.LossScaleOptimizer) else None
-            own_scale = None if scale is None else tf.identity(scale)  # read before the state is synced
-            synced = tf.cond(switched, lambda: self._kungfu_average_state(v_live), lambda: tf.constant(False))
-            with tf.control_dependencies([synced]):
-                if scale is None:
-                    return ssgd_step(g_live)
+        scale = self.dynamic_scale if isinstance(self, keras.optimizers.LossScaleOptimizer) else None
+        own_scale = None if scale is None else tf.identity(scale)  # read before the state is synced
+        synced = tf.cond(switched, lambda: self._kungfu_average_state(v_live), lambda: tf.constant(False))
+        with tf.control_dependencies([synced]):
+            if scale is not None:
                 # A LossScaleOptimizer's gradients come scaled by this worker's own loss scale, which under
                 # model averaging drifted from the others'; the sync just gave every worker rank 0's, by
                 # which the update unscales the mean. So on the switching step each worker's gradients
                 # are rescaled to rank 0's scale first (a factor of 1 on every other step).
                 inverse = tf.where(switched, own_scale / scale, tf.ones_like(own_scale))
-                return ssgd_step([_divided(g, inverse) for g in g_live])
-
-        def ssgd_step(g_live):
-            m = kf.monitors
+                g_live = [_divided(g, inverse) for g in g_live]
+            m = self._kungfu.monitors
             if m is None or not m.reduces:
-                return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
-                                              compression=kf.compression, layout=layout)
+                return _reduce.mean_gradients(g_live, v_live, self._kungfu.fusion_bytes,
+                                              self._kungfu.sparse_as_dense, compression=self._kungfu.compression,
+                                              layout=layout)
             reduced, updated = self._kungfu_mean_with_monitors(g_live, v_live, m.due(self.iterations), layout=layout)
             # The estimates run before the update, not beside it: with workers sharing cores, running
             # them beside the update cost 4 to 5 points more CPU per step (benchmarks/monitoring.py).
             with tf.control_dependencies([updated]):
                 return [tf.identity(g) if isinstance(g, tf.Tensor) else g for g in reduced]
 
-        def sma():
-            m = kf.monitors
-            if m is not None and m.reduces:
-                # SMA exchanges models, not gradients: on the monitors' due steps the gradients are
-                # all-reduced too, for their norms alone, so that the estimates (and the policies that
-                # read them, e.g. a switch to S-SGD once the noise scale has grown) go on under SMA. Due
-                # by the steps since SMA began, which every worker counts alike.
-                steps = kf.sma_steps.assign(tf.where(tf.equal(last, sma_index), kf.sma_steps + 1, 0))
-                _monitor.when(m.due(steps), lambda: self._kungfu_mean_with_monitors(
-                    g_live, v_live, True, unscale=m.loss_scale is not None, layout=layout)[1])
-            _averaging.sma_update(v_live, kf.alpha, kf.fusion_bytes, layout)
-            return g_live
-
-        def pair():
-            _averaging.pair_average(v_live, prefix, self.iterations, phase)
-            return g_live
-
-        def scoped(name, fn):
-            # Each strategy's collectives under its own scope, so their derived keys differ (in a graph by
-            # the name scope, eagerly by the key scope): workers on different strategies at one step (a
-            # switch made on some workers only) wait for each other until the deadline instead of pairing
-            # one's model with another's gradients.
-            def branch():
-                with tf.name_scope(name), _naming.key_scope(name):
-                    return fn()
-            return branch
-
-        new = tf.switch_case(current, [scoped(s, fn) for s, fn in zip(STRATEGIES, [ssgd, sma, pair])])
-        out = list(grads)
-        for i, g in zip(live, new):
-            out[i] = g
-        return out
+    def _kungfu_sma(self, g_live, v_live, last, layout):
+        """The sma branch: the model moves toward the workers' mean; the gradients stay this worker's."""
+        kf = self._kungfu
+        m = kf.monitors
+        if m is not None and m.reduces:
+            # SMA exchanges models, not gradients: on the monitors' due steps the gradients are
+            # all-reduced too, for their norms alone, so that the estimates (and the policies that
+            # read them, e.g. a switch to S-SGD once the noise scale has grown) go on under SMA. Due
+            # by the steps since SMA began, which every worker counts alike.
+            sma_index = strategy_index("sma")
+            steps = kf.sma_steps.assign(tf.where(tf.equal(last, sma_index), kf.sma_steps + 1, 0))
+            _monitor.when(m.due(steps), lambda: self._kungfu_mean_with_monitors(
+                g_live, v_live, True, unscale=m.loss_scale is not None, layout=layout)[1])
+        _averaging.sma_update(v_live, kf.alpha, kf.fusion_bytes, layout)
+        return g_live
 
     def _kungfu_mean_with_monitors(self, grads, variables, due, unscale=False, layout=None):
         """(the gradients' mean over the workers, the monitors' update op): both squared norms the
@@ -392,3 +394,14 @@ def _divided(g, scale):
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(g.values / tf.cast(scale, g.values.dtype), g.indices, g.dense_shape)
     return g / tf.cast(scale, g.dtype)
+
+
+def _scoped(name, fn):
+    """fn as a branch with its collectives under the strategy's own scope, so their derived keys differ (in
+    a graph by the name scope, eagerly by the key scope): workers on different strategies at one step (a
+    switch made on some workers only) wait for each other until the deadline instead of pairing one's
+    model with another's gradients."""
+    def branch():
+        with tf.name_scope(name), _naming.key_scope(name):
+            return fn()
+    return branch
