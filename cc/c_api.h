@@ -81,6 +81,10 @@ std::shared_ptr<Engine> GlobalEngine();
 // Why GlobalEngine() is null, for the kernels' errors: not initialized (or finalized), or this process
 // is a child forked from a worker after kungfu_init, which must never use its parent's engine.
 std::string NoEngineReason();
+class Status;
+// The C API's return of a Status: its code, and its message copied into err (at most err_len bytes with
+// the terminating NUL; err may be null).
+int Report(const Status& s, char* err, int err_len);
 }  // namespace kungfu
 #endif
 

@@ -97,6 +97,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   bool WantSender() const;  // config_.send_thread, with -1 resolved for this machine
   void AcceptLoop();
   void Poison(const Key& key);  // fails the collective when it starts here: a frame for it was dropped
+  Fd AcceptNext();                                           // acceptor thread
   void Refused(const std::string& from, const Status& why);  // acceptor thread
   void Admit(Fd fd, int peer);                                // acceptor thread
   void AddConnection(Fd fd, int peer, bool outgoing);

@@ -1,5 +1,5 @@
 // What a broadcast, all-gather or consensus knows of its tensor beyond the bytes, in one place for both
-// callers: the TF kernels (kf_ops/) and the C API's DLPack path (cc/c_api.cc, eager Python calls). Both
+// callers: the TF kernels (kf_ops/) and the C API's DLPack path (cc/c_api_dlpack.cc, eager Python calls). Both
 // describe a tensor the same way, so an eager call on one worker meets a graph call of the same collective
 // on another, and a mismatch reads alike wherever it is found. No TensorFlow here: dtypes are TF's
 // DataType numbers, which are part of TF's protobuf format (tensorflow/core/framework/types.proto) and
