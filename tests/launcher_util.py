@@ -1,5 +1,5 @@
-"""What the kfrun tests share (test_launcher.py, test_launcher_signals.py): running kfrun, worker scripts
-that write their pids, and the `reaper` fixture that kills every process a test started, whatever happened.
+"""What the kfrun tests share (test_launcher*.py): running kfrun, worker scripts that write their pids,
+and the `reaper` fixture that kills every process a test started, whatever happened.
 """
 
 import json

@@ -1,16 +1,19 @@
-"""kfrun's ssh client and a link that dies: keepalive options, the user's own ssh configuration, and what
-kfrun says when ssh fails (exit 255). Through a fake `ssh` on PATH; no network, no TensorFlow.
+"""kfrun's remote workers through ssh: the command it builds, keepalive options, the user's own ssh
+configuration, what kfrun says when ssh fails (exit 255), and remote workers that end with the job and
+leave nothing behind. Through a fake `ssh` on PATH; no network, no TensorFlow.
 
-The rest of the ssh path (the remote script, signals, what is left running) is in test_launcher.py and
-test_launcher_signals.py.
+Signals to a job with remote workers are in test_launcher_signals.py.
 """
 
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
 from kungfu.launcher import ssh
-from launcher_util import run_kfrun
+from launcher_util import PID_WORKER, alive, fake_ssh_path, run_kfrun, start_kfrun, wait_for_files, wait_until
 from launcher_util import reaper  # noqa: F401  (a fixture)
 
 
@@ -83,3 +86,89 @@ def test_a_lost_connection_is_named_and_keepalive_is_left_to_the_users_config(tm
     assert "[0] Timeout, server not responding." in err, err
     assert ("worker 0 (nohost-a.invalid:" in err and "via ssh) failed with exit code 255 (255 is ssh's own failure: "
             "ssh could not connect to nohost-a.invalid, or lost the connection to it" in err), err
+
+
+def test_ssh_command_construction():
+    argv = ssh.ssh_command("10.1.0.2", "/data/my job", {"KUNGFU_RANK": "1"}, ["python", "t.py", "--x=a b"], 30)
+    assert argv[:11] == ["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=30", "-o", "ServerAliveInterval=7", "-o",
+                         "ServerAliveCountMax=3", "--", "10.1.0.2"]  # -- : not an option
+    assert argv[11].startswith("sh -c ") and len(argv) == 12
+    assert "KUNGFU_TOKEN=" not in argv[11]  # the token travels on stdin
+    with pytest.raises(ValueError):
+        ssh.ssh_command("h", "/", {"KUNGFU_TOKEN": "t"}, ["x"])
+    with pytest.raises(ValueError):
+        ssh.ssh_command("h", "/", {"BAD NAME": "t"}, ["x"])
+
+
+def test_ssh_remote_command_runs_under_a_login_shell(tmp_path, reaper):
+    """Runs the remote string as sshd would ($SHELL -c "..."), with no ssh involved."""
+    code = "import os,sys; print(os.getcwd(), os.environ['A'], os.environ['KUNGFU_TOKEN'], sys.argv[1]); sys.exit(5)"
+    workdir = tmp_path / "dir with 'quotes'"
+    workdir.mkdir()
+    argv = ssh.ssh_command("h", str(workdir), {"A": "x'y \"z $HOME"}, [sys.executable, "-c", code, "a;b"])
+    proc = subprocess.Popen(["sh", "-c", argv[-1]], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    reaper[1].append(proc)
+    proc.stdin.write("secret\n")
+    proc.stdin.flush()  # and keep stdin open, as kfrun does: closing it stops the worker
+    out = proc.stdout.read()
+    assert (proc.wait(timeout=20), out) == (5, f"{workdir} x'y \"z $HOME secret a;b\n")
+    proc.stdin.close()
+
+
+def test_ssh_remote_worker_dies_when_stdin_closes(reaper):
+    pid_dir, _ = reaper
+    argv = ssh.ssh_command("h", "/", {"KUNGFU_RANK": "0", "PID_DIR": str(pid_dir)}, [sys.executable, "-c", PID_WORKER],
+                           kill_after=1)
+    proc = subprocess.Popen(["sh", "-c", argv[-1]], stdin=subprocess.PIPE, start_new_session=True)
+    reaper[1].append(proc)
+    proc.stdin.write(b"secret\n")
+    proc.stdin.flush()
+    pids = wait_for_files(pid_dir, ["w0", "c0"])
+    proc.stdin.close()  # what kfrun does to stop it, and what sshd does when kfrun or ssh dies
+    assert proc.wait(timeout=10) == 128 + signal.SIGTERM
+    time.sleep(0.2)
+    assert not [n for n, pid in pids.items() if alive(pid)]
+
+
+def test_remote_workers_through_fake_ssh(tmp_path, reaper):
+    """kfrun's ssh path end to end, with an `ssh` that runs the command here as sshd would."""
+    pid_dir, _ = reaper
+    proc = start_kfrun(["-np", "3", "-H", "nohost-a.invalid:2,nohost-b.invalid:1", "-x", "PYTHONPATH", "-x",
+                        f"PID_DIR={pid_dir}", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER],
+                       reaper, {"PATH": fake_ssh_path(tmp_path)})
+    pids = wait_for_files(pid_dir, [f"{k}{r}" for k in "wc" for r in range(3)])
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert sorted(out.splitlines()) == ["[0] ready", "[1] ready", "[2] ready"]
+    time.sleep(0.2)
+    assert not [n for n, pid in pids.items() if alive(pid)], "remote processes left behind"
+
+
+def test_remote_worker_leaves_no_grandchild(tmp_path, reaper):
+    """A remote worker that exits leaves a child running in its (setsid) group: the remote script stops it."""
+    pid_dir, _ = reaper
+    rc, out, err = run_kfrun(["-np", "2", "-H", "nohost-a.invalid:1,nohost-b.invalid:1", "-x", "PYTHONPATH", "-x",
+                              f"PID_DIR={pid_dir}", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER,
+                              "0=exit0", "1=exit0"], reaper, {"PATH": fake_ssh_path(tmp_path)})
+    assert rc == 0, err
+    pids = wait_for_files(pid_dir, ["c0", "c1"])
+    time.sleep(0.2)
+    assert not [n for n, pid in pids.items() if alive(pid)], "remote grandchildren left behind"
+
+
+def test_what_ssh_itself_leaves_running_is_left_alone(tmp_path, reaper):
+    """ssh's ControlPersist master outlives the client on purpose, and may serve the user's other sessions:
+    kfrun does not take it for a stray of the job, although it is re-parented to kfrun."""
+    pid_dir, _ = reaper
+    master = ('( exec setsid sh -c \'echo $$ > "$PID_DIR/t$$"; mv "$PID_DIR/t$$" "$PID_DIR/s$$"; exec sleep 60\' ) '
+              '</dev/null >/dev/null 2>&1 &\n')
+    path = fake_ssh_path(tmp_path, before=master)
+    rc, out, err = run_kfrun(["-np", "1", "-H", "nohost-a.invalid:1", "-x", "PYTHONPATH", "-x", f"PID_DIR={pid_dir}",
+                              "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER, "0=exit0"], reaper,
+                             {"PATH": path})
+    assert rc == 0, err
+    wait_until(lambda: list(pid_dir.glob("s*")), "the fake ssh's master wrote its pid")
+    masters = list(pid_dir.glob("s*"))
+    assert len(masters) == 1 and alive(int(masters[0].read_text())), "kfrun killed what ssh left running"
