@@ -1,6 +1,7 @@
 // Engine::Impl's acceptor thread: it takes the connections that peers open to this worker's listener, runs
 // their handshakes and hands the authenticated ones to the loop (engine.cc starts it and the connections).
 #include <poll.h>
+#include <pthread.h>
 #include <sys/socket.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <string>
 #include <thread>
 #include <vector>

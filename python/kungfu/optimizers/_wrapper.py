@@ -276,6 +276,7 @@ class DistributedMixin:
         them apart: on the switching step they first start from their mean."""
         import keras
 
+        kf = self._kungfu
         scale = self.dynamic_scale if isinstance(self, keras.optimizers.LossScaleOptimizer) else None
         own_scale = None if scale is None else tf.identity(scale)  # read before the state is synced
         synced = tf.cond(switched, lambda: self._kungfu_average_state(v_live), lambda: tf.constant(False))
@@ -287,11 +288,10 @@ class DistributedMixin:
                 # are rescaled to rank 0's scale first (a factor of 1 on every other step).
                 inverse = tf.where(switched, own_scale / scale, tf.ones_like(own_scale))
                 g_live = [_divided(g, inverse) for g in g_live]
-            m = self._kungfu.monitors
+            m = kf.monitors
             if m is None or not m.reduces:
-                return _reduce.mean_gradients(g_live, v_live, self._kungfu.fusion_bytes,
-                                              self._kungfu.sparse_as_dense, compression=self._kungfu.compression,
-                                              layout=layout)
+                return _reduce.mean_gradients(g_live, v_live, kf.fusion_bytes, kf.sparse_as_dense,
+                                              compression=kf.compression, layout=layout)
             reduced, updated = self._kungfu_mean_with_monitors(g_live, v_live, m.due(self.iterations), layout=layout)
             # The estimates run before the update, not beside it: with workers sharing cores, running
             # them beside the update cost 4 to 5 points more CPU per step (benchmarks/monitoring.py).
