@@ -12,7 +12,7 @@ engine themselves, one of two ways:
     three private C++ functions of TF's Python bindings (see that file; _naming.py lists every TF
     internal the project relies on);
   - the DLPack way, where the extension cannot run (_eager_problem() says why; kungfu warns once, and
-    tests/test_ops.py fails), or with KUNGFU_EAGER_DIRECT=dlpack: tf.experimental.dlpack.to_dlpack lends
+    tests/test_ops_eager.py fails), or with KUNGFU_EAGER_DIRECT=dlpack: tf.experimental.dlpack.to_dlpack lends
     the input's buffer (the capsule holds a reference), a ctypes call runs the collective, and
     tf.experimental.dlpack.from_dlpack makes the engine's buffer the result. On the 2-core VM, a 4 KiB
     all_reduce took 12-16 us this way against 6-8 the C way on one worker, and 219-271 against 190-225 us

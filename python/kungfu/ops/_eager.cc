@@ -14,7 +14,7 @@
 // (tensorflow/python/eager/pywrap_tensor.h, exported from tensorflow/python/lib_pywrap_tensorflow_common.so):
 // EagerTensor_CheckExact, EagerTensor_Handle and EagerTensorFromHandle. setup() looks them up by their C++
 // names in that library, which TF has loaded, and fails naming them if one is gone; _direct.py then warns
-// and keeps the DLPack way, and tests/test_ops.py::test_the_private_tf_api_of_the_eager_path_is_there fails.
+// and keeps the DLPack way, and tests/test_ops_eager.py::test_the_private_tf_api_of_the_eager_path_is_there fails.
 // (kungfu/ops/_naming.py lists these with the Python-level TF internals the project relies on.) Everything
 // else used here is TF's public C API (tensorflow/c/c_api.h, tensorflow/c/eager/c_api.h and
 // c_api_experimental.h).

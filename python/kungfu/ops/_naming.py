@@ -47,7 +47,7 @@ context.context()._handle; and, for the eager collectives that skip TF's dispatc
 _direct.py), pywrap_tfe.TFE_Py_TapeSetIsEmpty, context.context().op_callbacks and
 context.context().executing_eagerly(). The C way of those eager collectives (python/kungfu/ops/_eager.cc) also
 calls three C++ functions of TF's Python bindings, EagerTensor_CheckExact, EagerTensor_Handle and
-EagerTensorFromHandle (tensorflow/python/eager/pywrap_tensor.h); tests/test_ops.py checks them.
+EagerTensorFromHandle (tensorflow/python/eager/pywrap_tensor.h); tests/test_ops_eager.py checks them.
 """
 
 import collections
