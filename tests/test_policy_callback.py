@@ -8,9 +8,7 @@ import pytest
 import kungfu
 from kungfu import optimizers
 from kungfu.policies import BasePolicy
-from test_policy_runner import HalveLrOnce
-from test_policy_runner import Recorder
-from test_policy_runner import model_and_data
+from policy_util import HalveLrOnce, Recorder, model_and_data
 
 pytestmark = pytest.mark.usefixtures("kungfu_library")
 
