@@ -19,7 +19,8 @@ marked built without variables. Also: gradient buckets in flight together, Metri
 resumed from a saved model by kungfu.keras.load_model, gradient accumulation (one exchange per
 update, also inside a loss-scale optimizer), mixed precision with a loss-scale optimizer (an overflow
 on one worker skips the step on all), and a clear error at once when the workers' model.fit would take
-different numbers of steps; and, in the same launch, the strategies and exchange forms (tests/training_strategy_checks.py).
+different numbers of steps; and, in the same launch, the strategies and exchange forms
+(tests/training_strategy_checks.py) and pair averaging (tests/training_pair_checks.py).
 
 `digits`: SMA and pair averaging reach 90% test accuracy on scikit-learn's digits, and the workers'
 models end close to each other.
@@ -39,6 +40,7 @@ import kungfu  # noqa: E402
 import kungfu.keras  # noqa: E402
 from kungfu.keras import callbacks as kf_callbacks  # noqa: E402
 
+import training_pair_checks  # noqa: E402
 import training_strategy_checks  # noqa: E402
 from training_common import (CLASSES, FEATURES, LOCAL_BATCH, STEPS, adam, assert_close, dataset,  # noqa: E402
                              local_data, loss_fn, make_model, reference_weights, sgd)
@@ -449,8 +451,10 @@ def main():
     if sys.argv[1] == "strategies_differ":
         return training_strategy_checks.workers_on_different_strategies()
     if sys.argv[1] == "pair_leaver":
-        return training_strategy_checks.pair_averaging_outlives_a_departed_peer()
-    checks = CHECKS + training_strategy_checks.CHECKS if sys.argv[1] == "equivalence" else DIGITS_CHECKS
+        return training_pair_checks.pair_averaging_outlives_a_departed_peer()
+    checks = DIGITS_CHECKS
+    if sys.argv[1] == "equivalence":
+        checks = CHECKS + training_strategy_checks.CHECKS + training_pair_checks.CHECKS
     if len(sys.argv) > 2:  # only these checks, by name (comma-separated)
         wanted = sys.argv[2].split(",")
         unknown = sorted(set(wanted) - {fn.__name__ for fn in checks})
