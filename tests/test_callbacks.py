@@ -111,12 +111,23 @@ def test_warmup_callback_bad_arguments(call, words):
         call()
 
 
-def test_warmup_callback_refuses_a_schedule_and_an_unknown_epoch_length():
+# The two rate callbacks, made with their defaults and any keyword arguments a test adds.
+RATE_CALLBACKS = [
+    lambda **kw: callbacks.LearningRateWarmupCallback(0.1, **kw),
+    lambda **kw: callbacks.LearningRateScheduleCallback(0.1, 1., **kw),
+]
+
+
+@pytest.mark.parametrize("make", RATE_CALLBACKS)
+def test_rate_callbacks_refuse_a_learning_rate_schedule(make):
     model, x, y = model_and_data()
     schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.9)
     model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
     with pytest.raises(ValueError, match="must be a number, not a LearningRateSchedule"):
-        model.fit(x, y, batch_size=16, epochs=1, callbacks=[callbacks.LearningRateWarmupCallback(0.1)], verbose=0)
+        model.fit(x, y, batch_size=16, epochs=1, callbacks=[make()], verbose=0)
+
+
+def test_warmup_callback_refuses_an_unknown_epoch_length():
     model, x, y = model_and_data()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     unknown_length = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(16)
@@ -216,13 +227,7 @@ def test_schedule_callback_bad_arguments(call, words):
         call()
 
 
-def test_schedule_callback_refuses_a_schedule_and_an_unknown_epoch_length_when_smooth():
-    model, x, y = model_and_data()
-    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=10, decay_rate=0.9)
-    model.compile(optimizer=keras.optimizers.SGD(schedule), loss="mse")
-    with pytest.raises(ValueError, match="must be a number, not a LearningRateSchedule"):
-        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
-                  callbacks=[callbacks.LearningRateScheduleCallback(0.1, 1.)])
+def test_schedule_callback_refuses_an_unknown_epoch_length_when_smooth():
     model, x, y = model_and_data()
     model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse")
     unknown_length = tf.data.Dataset.from_tensor_slices((x, y)).filter(lambda a, b: True).batch(16)
@@ -234,10 +239,7 @@ def test_schedule_callback_refuses_a_schedule_and_an_unknown_epoch_length_when_s
     assert float(model.optimizer.learning_rate) == pytest.approx(0.1)
 
 
-@pytest.mark.parametrize("make", [
-    lambda **kw: callbacks.LearningRateWarmupCallback(0.1, **kw),
-    lambda **kw: callbacks.LearningRateScheduleCallback(0.1, 1., **kw),
-])
+@pytest.mark.parametrize("make", RATE_CALLBACKS)
 def test_momentum_correction_is_refused_only_when_asked_for(make):
     with pytest.raises(ValueError, match="momentum_correction=True .*Keras 3 optimizers.*momentum_correction=False"):
         make(momentum_correction=True)
