@@ -134,14 +134,20 @@ def test_ssh_remote_worker_dies_when_stdin_closes(reaper):
 def test_remote_workers_through_fake_ssh(tmp_path, reaper):
     """kfrun's ssh path end to end, with an `ssh` that runs the command here as sshd would."""
     pid_dir, _ = reaper
-    proc = start_kfrun(["-np", "3", "-H", "nohost-a.invalid:2,nohost-b.invalid:1", "-x", "PYTHONPATH", "-x",
-                        f"PID_DIR={pid_dir}", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER],
-                       reaper, {"PATH": fake_ssh_path(tmp_path)})
+    out_path = tmp_path / "kfrun.out"
+    with open(out_path, "w") as out_file:
+        proc = start_kfrun(["-np", "3", "-H", "nohost-a.invalid:2,nohost-b.invalid:1", "-x", "PYTHONPATH", "-x",
+                            f"PID_DIR={pid_dir}", "--kill-after", "1", "--", sys.executable, "-c", PID_WORKER],
+                           reaper, {"PATH": fake_ssh_path(tmp_path)}, stdout=out_file)
     pids = wait_for_files(pid_dir, [f"{k}{r}" for k in "wc" for r in range(3)])
+    # A worker writes its pid files before it prints "ready": stop the job only once kfrun has passed on
+    # all three lines (it once lost that race on a loaded machine, and the test took it for a lost line).
+    wait_until(lambda: out_path.read_text().count("ready\n") == 3, "kfrun has written the 3 workers' ready lines",
+               timeout=30)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=20)
+    _, err = proc.communicate(timeout=20)
     assert proc.returncode == 128 + signal.SIGTERM, err
-    assert sorted(out.splitlines()) == ["[0] ready", "[1] ready", "[2] ready"]
+    assert sorted(out_path.read_text().splitlines()) == ["[0] ready", "[1] ready", "[2] ready"]
     time.sleep(0.2)
     assert not [n for n, pid in pids.items() if alive(pid)], "remote processes left behind"
 
