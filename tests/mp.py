@@ -93,6 +93,18 @@ def launch(np_, argv, pid_dir, timeout, budget, env=None):
             _kill(int(name))
 
 
+# Runs a script as a kfrun worker: registers its pid for launch() to kill, then runs the script as
+# `python script args...` would (absl reads sys.argv; the script's directory comes first in sys.path).
+SCRIPT_RUNNER = (f"import os, runpy, sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+                 "import mp; mp.worker_started(); sys.argv = sys.argv[1:]; "
+                 "sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0]))); "
+                 "runpy.run_path(sys.argv[0], run_name='__main__')")
+
+
+def launch_script(np_, script, args, pid_dir, timeout, budget):
+    """launch() of an unmodified script (an example) with args: (exit code, output)."""
+    return launch(np_, ["-c", SCRIPT_RUNNER, script, *args], pid_dir, timeout, budget)
+
 def checks_problems(out, checks, np_):
     """The checks some rank did not report OK, one line each, with the reason; empty when all passed."""
     results = {}  # (rank, check) -> "OK" or the failure reason

@@ -10,15 +10,9 @@ import re
 import pytest
 
 from conftest import REPO
-from mp import launch
+from mp import launch_script
 
 pytestmark = pytest.mark.usefixtures("kungfu_library")
-
-TESTS = os.path.join(REPO, "tests")
-# Runs the example as a kfrun worker: registers the pid for mp.launch to kill, then runs the script as
-# `python script flags...` would (absl reads sys.argv).
-RUNNER = (f"import runpy, sys; sys.path.insert(0, {TESTS!r}); import mp; mp.worker_started(); "
-          "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 def test_monitor_gns(tmp_path):
@@ -26,8 +20,7 @@ def test_monitor_gns(tmp_path):
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
     out_dir = tmp_path / "plot"
-    code, out = launch(2, ["-c", RUNNER, script, "--epochs=3", f"--out={out_dir}"], pid_dir, timeout=60,
-                       budget=120)
+    code, out = launch_script(2, script, ["--epochs=3", f"--out={out_dir}"], pid_dir, timeout=60, budget=120)
     assert code == 0, out[-6000:]
     for pattern in (r"^\[0\] 2 worker\(s\), 32 examples per worker per step, global batch 64$",
                     r"^\[0\] epoch  3/3 step +\d+: loss \d+\.\d+  gns +\d+\.\d  grad_variance \S+  snr \d+\.\d+",

@@ -13,22 +13,16 @@ import sys
 import pytest
 
 from conftest import REPO
-from mp import launch
+from mp import launch_script
 
 pytestmark = pytest.mark.usefixtures("kungfu_library")
-
-TESTS = os.path.join(REPO, "tests")
-# Runs an example as a kfrun worker: registers the pid for mp.launch to kill, then runs the script as
-# `python script flags...` would (absl reads sys.argv).
-RUNNER = (f"import runpy, sys; sys.path.insert(0, {TESTS!r}); import mp; mp.worker_started(); "
-          "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")
 
 
 def run_example(name, flags, tmp_path):
     script = os.path.join(REPO, "examples", name)
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
-    code, out = launch(2, ["-c", RUNNER, script, *flags], pid_dir, timeout=60, budget=240)
+    code, out = launch_script(2, script, flags, pid_dir, timeout=60, budget=240)
     assert code == 0, out[-6000:]
     return out
 
