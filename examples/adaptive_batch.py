@@ -42,7 +42,7 @@ every 4 steps, so every worker evaluates and stops after the same step (the coll
 Rank 0 prints a table (training time and steps to each target accuracy, final accuracy, adaptive
 against the best fixed run at --main_target) and what the policy changed and when, and writes
 <out_dir>/adaptive_batch.png (batch size, noise scale, LR and test accuracy over training time) and
-<out_dir>/adaptive_batch.md (the same results in markdown).
+<out_dir>/adaptive_batch.md (the same results in markdown), both made by adaptive_report.py beside it.
 
 --runs takes other runs too, e.g. --runs=fixed:512:0.1,fixed:256:0.025 for a learning-rate sweep.
 """
@@ -63,6 +63,7 @@ from absl import flags  # noqa: E402
 import kungfu  # noqa: E402
 import kungfu.monitor  # noqa: E402
 import kungfu.policies as kp  # noqa: E402
+from adaptive_report import plot, report  # noqa: E402  (beside this script: the tables and the plot)
 
 # What --quick sets, each unless given on the command line (as the command line would spell it).
 QUICK = {"train_size": "4000", "test_size": "1000", "budget": "2", "targets": "0.6,0.7", "main_target": "0.7"}
@@ -317,118 +318,6 @@ def train(spec, data):
             return rec
 
 
-# ---- the report -------------------------------------------------------------------------------
-
-def first_reach(rec, target):
-    """(training seconds, steps) of the first evaluation at or above target, or None."""
-    return next(((e[0], e[1]) for e in rec["evals"] if e[3] >= target), None)
-
-
-def report(records, targets, main):
-    """The results as markdown lines: the table, the targets (met or NOT met) and what the policy did."""
-    cell = lambda hit: f"{hit[0]:.1f} s / {hit[1]} steps" if hit else "never"  # noqa: E731
-    lines = ["| run | global batch | LR | " + " | ".join(f"to {t:g}" for t in targets)
-             + " | final accuracy | ms per step |", "|---" * (5 + len(targets)) + "|"]
-    for r in records:
-        sizes = sorted({e[5] for e in r["evals"]})
-        batch = f"{sizes[0]}" if len(sizes) == 1 else f"{sizes[0]} -> {sizes[-1]}"
-        lrs = sorted({round(e[6], 5) for e in r["evals"]})
-        lr = f"{lrs[0]:g}" if len(lrs) == 1 else f"{lrs[0]:g} -> {lrs[-1]:g}"
-        hits = " | ".join(cell(first_reach(r, t)) for t in targets)
-        last = r["evals"][-1]
-        lines.append(f"| {r['name']} | {batch} | {lr} | {hits} | {last[3]:.3f} | {1e3 * last[0] / last[1]:.0f} |")
-    lines.append("")
-    adaptive = [r for r in records if r["adaptive"]]
-    fixed = [r for r in records if not r["adaptive"]]
-    if adaptive and fixed:
-        lines += verdict(adaptive[0], fixed, main)
-    for r in adaptive:
-        lines += ["", *story(r)]
-    return lines
-
-
-def verdict(ad, fixed, main):
-    """The times to main, adaptive against the fastest fixed run there, and the issue's two targets."""
-    reached = [(first_reach(r, main), r) for r in fixed if first_reach(r, main)]
-    best = min(reached, key=lambda hr: hr[0][0]) if reached else None
-    mine = first_reach(ad, main)
-    if best is None:
-        ratio = "no fixed run reached it" + (f"; adaptive did, in {mine[0]:.1f} s" if mine else ", nor did adaptive")
-        met = mine is not None
-    elif mine is None:
-        ratio, met = f"adaptive never reached it; {best[1]['name']} did in {best[0][0]:.1f} s", False
-    else:
-        x = mine[0] / best[0][0]
-        ratio, met = f"{x:.2f}x ({mine[0]:.1f} s against {best[1]['name']}'s {best[0][0]:.1f} s)", x <= 0.75
-    times = ", ".join(f"{r['name']} " + (f"{h[0]:.1f} s" if h else "never")
-                      for r, h in ((r, first_reach(r, main)) for r in fixed + [ad]))
-    small = min(fixed, key=lambda r: r["evals"][0][5])  # the smallest fixed batch
-    fa, fs = ad["evals"][-1][3], small["evals"][-1][3]
-    return [f"Training time to test accuracy {main:g}: {times}.",
-            f"Adaptive / best fixed run, training time to {main:g}: {ratio}.",
-            f"- Target: adaptive reaches {main:g} in <= 0.75x the time of the best fixed batch: "
-            f"{'met' if met else 'NOT met'}.",
-            f"- Target: final accuracy no worse than the smallest fixed batch's ({small['name']}): "
-            f"{'met' if fa >= fs else 'NOT met'} ({fa:.3f} against {fs:.3f})."]
-
-
-def story(rec):
-    """What the policy changed and when, and the noise scale it saw, in words."""
-    ev = rec["evals"]
-    gns = [(e[0], e[4]) for e in ev if e[4] > 0]
-    seen = ", ".join(f"{g:.0f} at {t:.1f} s" for t, g in gns[::max(1, len(gns) // 5)])
-    made = f"made {len(rec['changes'])} change(s):" if rec["changes"] else "changed nothing."
-    lines = [f"What the policy did in the adaptive run: it started at global batch {ev[0][5]} "
-             f"(LR {ev[0][6]:g}; it moves for a predicted gain of at least {FLAGS.min_gain:.0%}, "
-             f"--min_gain) and {made}"]
-    for t, _, _, _, said in rec["changes"]:
-        lines.append(f"- {t:.1f} s, {said}")
-    lines.append(f"Its last decision: {rec['last']}.")
-    lines.append(f"The noise scale (gns, in samples) it read: {seen}; at the end {ev[-1][4]:.0f}, "
-                 f"with the batch at {ev[-1][5]} and the LR at {ev[-1][6]:g}.")
-    return lines
-
-
-def plot(records, main, bayes, path):
-    """Four panels over training time: the global batch, the noise scale, the LR and the test accuracy."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FuncFormatter
-
-    fig, axes = plt.subplots(4, 1, figsize=(8, 10), sharex=True)
-    for r in records:
-        ev = np.array(r["evals"], dtype=np.float64)
-        # batch and LR: from the changes themselves (when they happened), held to the end
-        controls = np.array([(0.0, ev[0, 5], ev[0, 6])] + [c[0:1] + c[2:4] for c in r["changes"]]
-                            + [(ev[-1, 0], ev[-1, 5], ev[-1, 6])])
-        axes[0].plot(controls[:, 0], controls[:, 1], drawstyle="steps-post", label=r["name"])
-        known = ev[:, 4] > 0  # 0: no estimate yet
-        axes[1].plot(ev[known, 0], ev[known, 4])
-        axes[2].plot(controls[:, 0], controls[:, 2], drawstyle="steps-post")
-        axes[3].plot(ev[:, 0], ev[:, 3], marker=".", ms=3)
-    for ax, label in zip(axes, ["global batch size", "gradient noise scale (samples)", "learning rate",
-                                "test accuracy"]):
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-    axes[0].set_yscale("log", base=2)
-    axes[1].set_yscale("log")
-    axes[0].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    axes[1].yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-    axes[1].yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if f"{v:.0e}"[0] in "25" else ""))
-    axes[3].axhline(main, color="gray", lw=0.8, ls="--", label=f"target {main:g}")
-    axes[3].axhline(bayes, color="gray", lw=0.8, ls=":", label=f"best possible {bayes:.3f}")
-    axes[3].set_ylim(main - 0.1, max(main, bayes) + 0.02)
-    axes[3].legend(loc="lower right")
-    axes[3].set_xlabel("training time, s (evaluation not counted)")
-    axes[0].legend()
-    axes[0].set_title(f"KungFu: fixed and adaptive batch size, {kungfu.size()} workers")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
 # ---- main -------------------------------------------------------------------------------------
 
 def main(argv):
@@ -458,13 +347,13 @@ def main(argv):
         records.append(rec)
     if kungfu.rank() != 0:
         return
-    lines = report(records, targets, FLAGS.main_target)
+    lines = report(records, targets, FLAGS.main_target, FLAGS.min_gain)
     load = os.getloadavg()
     print("\n" + "\n".join(lines) + f"\n\nThe whole launch took {time.time() - start:.0f} s; load average "
           f"{load[0]:.1f} (1 min), {load[1]:.1f} (5 min) on {os.cpu_count()} cores.", flush=True)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     png, md = os.path.join(FLAGS.out_dir, "adaptive_batch.png"), os.path.join(FLAGS.out_dir, "adaptive_batch.md")
-    plot(records, FLAGS.main_target, bayes, png)
+    plot(records, FLAGS.main_target, bayes, png, kungfu.size())
     with open(md, "w") as f:
         f.write(f"# Adaptive batch size, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n\n"
                 f"{kungfu.size()} workers, {os.cpu_count()} cores, load average {load[0]:.1f}; best possible test "
