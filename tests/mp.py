@@ -105,6 +105,7 @@ def launch_script(np_, script, args, pid_dir, timeout, budget):
     """launch() of an unmodified script (an example) with args: (exit code, output)."""
     return launch(np_, ["-c", SCRIPT_RUNNER, script, *args], pid_dir, timeout, budget)
 
+
 def checks_problems(out, checks, np_):
     """The checks some rank did not report OK, one line each, with the reason; empty when all passed."""
     results = {}  # (rank, check) -> "OK" or the failure reason
