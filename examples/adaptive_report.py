@@ -1,7 +1,7 @@
 """The report of examples/adaptive_batch.py: the markdown table, the verdict on the targets, what the policy
 did, and the plot. Not an example by itself: adaptive_batch.py imports it (it sits beside it in examples/).
 
-A run's record is a dict: "name", "adaptive" (whether a policy moved the batch), "evals" (one tuple per
+A run's record is a dict: "name", "adaptive" (whether the policy drives the run), "evals" (one tuple per
 evaluation: training seconds, steps, samples, test accuracy, noise scale or 0, global batch, LR), "changes"
 (one tuple per change: seconds, step, batch, LR, the policy's words) and "last" (the policy's last decision).
 """
