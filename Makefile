@@ -156,11 +156,13 @@ bazel-test: $(DEPS)
 # ---- everything ------------------------------------------------------------------------------
 
 # Steps run one after another even under make -j: each needs the one before.
+# A Python test still running after 300 s (the slowest take about 100) prints every thread's stack
+# (pytest's faulthandler_timeout) and goes on: a hang in CI then shows where it waits.
 test: deps
 	@$(SUBMAKE) build
 	@$(SUBMAKE) cc-test
 	@$(SUBMAKE) bazel-build bazel-test
-	@$(PYTHON) -m pytest -q --durations=15 tests; rc=$$?; \
+	@$(PYTHON) -m pytest -q --durations=15 -o faulthandler_timeout=300 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests under tests/" >&2; fi; exit $$rc
 
 demo: deps

@@ -7,7 +7,6 @@ import sys
 
 import pytest
 
-import kungfu
 from kungfu import _bind
 from kungfu.launcher import hosts
 from kungfu.launcher import plan
