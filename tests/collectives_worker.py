@@ -316,6 +316,14 @@ def gradients_through_collectives():
         assert_equal(grad(), want, f"{what}, eagerly")
         assert_equal(tf.function(grad)(), want, f"{what}, in a tf.function")
 
+    def gather_grad():  # rank 0 takes it eagerly, the others in a tf.function: their gradient keys meet
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.range(1.0, 1.0 + 3 * size) * kungfu.all_gather(w * w, name="grad/mixed"))
+        return tape.gradient(loss, w)
+
+    assert_equal(gather_grad() if rank == 0 else tf.function(gather_grad)(),
+                 (size * gathered_rows * 2 * (rank + 1)).astype(np.float32), "all_gather, eager on rank 0 only")
+
     @tf.function
     def two_passes():  # one persistent tape, two backward passes through one collective, in one graph
         with tf.GradientTape(persistent=True) as tape:

@@ -76,6 +76,24 @@ def test_function_keys():
                     "train_step/metrics/all_reduce"]
 
 
+def test_gradient_keys_are_the_forward_keys_with_grad_eagerly_and_in_a_function():
+    """A gradient's collectives are keyed by the forward one's key + "/grad" (+ "/dims" for all_gather's
+    first dimensions) both ways, so a worker taking the gradient eagerly meets one taking it in a graph."""
+    w = tf.Variable([1.0, 2.0])
+
+    def grad():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(kungfu.all_reduce(w * w, name="gk")) + tf.reduce_sum(kungfu.all_gather(w))
+        return tape.gradient(loss, w)
+
+    step = tf.function(grad)
+    keys = keys_of(step.get_concrete_function())
+    assert keys == ["gk", "gk/grad", "grad/all_gather", "grad/all_gather/grad", "grad/all_gather/grad/dims"], keys
+    _lib.collective_stats(reset=True)
+    grad()
+    assert {"gk", "gk/grad"} <= set(_lib.collective_stats(reset=True)), "eager gradient keys"
+
+
 def _with_control_flow():
 
     @tf.function

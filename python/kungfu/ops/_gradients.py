@@ -14,6 +14,7 @@ appended (and, for a further backward pass through it in one graph, "/2", "/3", 
 workers as the forward ones do: in order, per key.
 """
 
+import numpy as np
 import tensorflow as tf
 
 from .. import _lib
@@ -32,6 +33,8 @@ def _grad_key(op, suffix):
     static = tf.get_static_value(key)
     eager = tf.executing_eagerly()
     if static is not None:
+        if isinstance(static, np.ndarray):  # in a graph, a 0-d array of dtype object holding the bytes
+            static = static.item()
         name = (static.decode() if isinstance(static, bytes) else str(static)) + suffix
         return name if eager else _naming.numbered(tf.compat.v1.get_default_graph(), name)
     if eager:
