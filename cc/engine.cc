@@ -145,13 +145,17 @@ bool Engine::Impl::WantSender() const {
 // connected both ways from its first collective on: a peer that closes a stream right after start-up
 // is then judged with both its streams in view, not as a crash because the other was not yet taken in.
 // It also waits for every peer's TRAITS frame, the first on each peer's connection, so that the choices
-// made from them (small_star_) are made before the first collective, alike on every worker.
+// made from them (small_star_) are made before the first collective, alike on every worker. A peer
+// judged gone meanwhile (its connections closed before its TRAITS frame came: it crashed just after its
+// own start) fails the wait at once.
 Status Engine::Impl::AwaitIncoming() {
   const int want = config_.peers.size() - 1;
   std::unique_lock<std::mutex> lock(mu_);
-  if (cv_.wait_until(lock, DeadlineAfter(config_.timeout_seconds),
-                     [&] { return incoming_ >= want && traits_heard_ >= want; })) {
-    return Status::OK();
+  const auto all_in = [&] { return incoming_ >= want && traits_heard_ >= want; };
+  cv_.wait_until(lock, DeadlineAfter(config_.timeout_seconds), [&] { return all_in() || !lost_peer_.ok(); });
+  if (all_in()) return Status::OK();
+  if (!lost_peer_.ok()) {
+    return Unavailable(lost_peer_.message() + " (while this worker was starting: every worker must start together)");
   }
   const std::string within = " within " + FormatNumber(config_.timeout_seconds) + " s (KUNGFU_TIMEOUT)";
   if (incoming_ < want) {

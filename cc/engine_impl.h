@@ -195,6 +195,7 @@ class Engine::Impl : public FrameSink, public OpContext, public P2PContext {
   // how many have; this worker's own entry is filled in by Start.
   std::vector<std::optional<WorkerTraits>> traits_;
   int traits_heard_ = 0;
+  Status lost_peer_;  // guarded by mu_: the first peer judged gone (Judge), which ends Start's wait at once
   bool small_star_ = false;  // Start's agreed choice (ChooseSmallStar); fixed once Start returns
   std::atomic<bool> flushing_{false};       // set on the loop once remaining ops are cancelled
   std::vector<bool> writing_;               // by rank: out_ connection registered for EPOLLOUT

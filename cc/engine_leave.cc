@@ -189,6 +189,11 @@ void Engine::Impl::Judge(int peer, const Status& s) {
   if (judged) return;
   dead_[peer] = Unavailable("peer " + config_.peers.Describe(peer) + ": " + s.message());
   if (first_dead_.ok()) first_dead_ = dead_[peer];
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // Start may still wait for this peer (AwaitIncoming)
+    if (lost_peer_.ok()) lost_peer_ = dead_[peer];
+  }
+  cv_.notify_all();
   // A peer that leaves while nothing is in flight has simply finished; say more only when it hurts.
   if (!stopping_ && (!ops_.empty() || !p2p_.idle())) {
     KF_LOG(Warning) << "rank " << rank() << ": " << dead_[peer].message() << "; failing " << ops_.size()

@@ -1,5 +1,6 @@
 // How the workers agree on the small-message allreduce of 2, 4, 8, ... workers (EngineConfig::small_star,
 // ChooseSmallStar): each says what it asks for and which CPUs it may run on in its first frame (TRAITS).
+#include <chrono>
 #include <cstdlib>
 #include <string>
 #include <thread>
@@ -130,6 +131,30 @@ TEST(SmallStar, StartWaitsForEveryPeersTraitsUntilTheDeadline) {
   ASSERT_TRUE(!engine.ok());
   EXPECT_EQ(CodeName(engine.status().code()), CodeName(Code::kDeadlineExceeded));
   EXPECT_TRUE(engine.status().message().find("nothing came from rank 1") != std::string::npos);
+}
+
+// A peer whose connections close before its first frame came (it crashed just after start-up) fails
+// Start at once, named, instead of at the deadline.
+TEST(SmallStar, APeerGoneBeforeItsTraitsFailsStartAtOnce) {
+  const PeerList peers = LoopbackPeers(2);
+  HandshakeParams hs;
+  hs.token = "test-token";
+  hs.peers = &peers;
+  std::thread t([&] {
+    testing::FakeRank fake = testing::ConnectFakeRank(peers, hs, 1, /*send_traits=*/false);
+    fake = testing::FakeRank{};  // closes both of its connections
+  });
+  EngineConfig c;
+  c.peers = peers;
+  c.token = "test-token";
+  c.timeout_seconds = 20;
+  const auto start = std::chrono::steady_clock::now();
+  auto engine = Engine::Start(c);
+  t.join();
+  ASSERT_TRUE(!engine.ok());
+  EXPECT_EQ(CodeName(engine.status().code()), CodeName(Code::kUnavailable));
+  EXPECT_TRUE(engine.status().message().find("rank 1") != std::string::npos);
+  EXPECT_TRUE(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
 }
 
 }  // namespace
