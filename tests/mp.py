@@ -22,6 +22,38 @@ def worker_started():
     """Call first thing in a worker script, before importing TensorFlow."""
     if os.environ.get("KF_TEST_PID_DIR"):
         open(os.path.join(os.environ["KF_TEST_PID_DIR"], str(os.getpid())), "w").close()
+    defer_keras_extras()
+
+
+# Optional packages that `import keras` (which `import tensorflow` runs) imports whenever they are installed,
+# only to offer features no test worker uses: scikit-learn (with SciPy) for Keras's estimator wrappers,
+# matplotlib for its image galleries, IPython for notebook display. They took 2.5-3 s of the 9-10 s of CPU
+# that importing TensorFlow took a worker on the 2-core VM (python -X importtime, 2026-11-29), and a full run
+# starts about 160 workers. Keras imports each of them inside try/except ImportError.
+_KERAS_EXTRAS = ("sklearn", "matplotlib", "IPython")
+
+
+class _KerasExtras:
+    """A sys.meta_path finder that refuses the packages of _KERAS_EXTRAS to Keras's own modules, which then
+    leave those features out; anything else (the worker, an example, scikit-learn itself) imports them as
+    usual: an example's load_digits and its plot still work."""
+
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] not in _KERAS_EXTRAS:
+            return None
+        frame = sys._getframe(1)
+        while frame is not None and frame.f_globals.get("__name__", "").startswith("importlib"):
+            frame = frame.f_back  # the import machinery's own frames, up to the module that imports
+        if frame is not None and frame.f_globals.get("__name__", "").startswith("keras."):
+            raise ImportError(f"{name}: not imported for Keras in a test worker (tests/mp.py)", name=name)
+        return None
+
+
+def defer_keras_extras():
+    """Makes Keras skip its scikit-learn, matplotlib and IPython extras in this process (_KerasExtras);
+    call before importing TensorFlow or Keras."""
+    if not any(isinstance(finder, _KerasExtras) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _KerasExtras())
 
 
 def check_list():

@@ -7,8 +7,10 @@ stops an example, run as one process, with a one-line usage error before it trai
 
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -71,7 +73,7 @@ def test_adaptive_batch(tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == ["adaptive_batch.md", "adaptive_batch.png"]
 
 
-@pytest.mark.parametrize("name, flags, error", [
+BAD_FLAGS = [
     ("keras_digits.py", ["--epochs=0"], r"flag --epochs=0: 0 is not a positive integer"),
     ("keras_digits.py", ["--batch_size=0"], r"flag --batch_size=0: 0 is not a positive integer"),
     ("pair_averaging.py", ["--epochs=2", "--final_epochs=3"], r"--final_epochs must be between 0 and --epochs"),
@@ -83,11 +85,83 @@ def test_adaptive_batch(tmp_path):
     ("adaptive_batch.py", ["--min_batch=512", "--max_batch=64"], r"--min_batch must be at most --max_batch"),
     # an explicit flag wins over --quick's value for it; --quick still sets the others
     ("adaptive_batch.py", ["--quick", "--main_target=0.9"], r"^--main_target=0.9 is not one of --targets=0.6,0.7$"),
-])
-def test_bad_flag_is_a_usage_error(name, flags, error):
-    script = os.path.join(REPO, "examples", name)
-    run = subprocess.run([sys.executable, script, *flags], capture_output=True, text=True, timeout=120)
-    out = run.stdout + run.stderr
-    assert run.returncode != 0, out[-6000:]
+]
+PARALLEL = 2  # bad-flag cases running at once: each is a fresh process that imports TensorFlow (about 9 s of a core)
+
+
+class BadFlagRuns:
+    """The bad-flag cases, each run as `python example.py FLAGS` into an output file, PARALLEL at a time in
+    the order of BAD_FLAGS (pytest's), so that the next one imports TensorFlow while a test checks the last.
+    result(i) waits for case i, starting it first when it has not started (a -k selection), and returns its
+    exit code (None when it was killed at its 120 s deadline) and output. close() kills what still runs."""
+
+    def __init__(self, directory):
+        self.directory = directory
+        self.pending = list(range(len(BAD_FLAGS)))  # cases not started, in the order they start
+        self.started = {}  # case index -> (Popen, its output file, its deadline)
+        self.results = {}  # case index -> (exit code, output)
+
+    def _start_next(self):
+        i = self.pending.pop(0)
+        name, flags, _ = BAD_FLAGS[i]
+        out = open(self.directory / f"case{i}.out", "w+")
+        proc = subprocess.Popen([sys.executable, os.path.join(REPO, "examples", name), *flags], stdout=out,
+                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.started[i] = (proc, out, time.monotonic() + 120)
+
+    def _reap(self):
+        for i, (proc, out, deadline) in self.started.items():
+            if i in self.results:
+                continue
+            late = proc.poll() is None and time.monotonic() > deadline
+            if late:
+                _kill_group(proc)
+            if proc.returncode is not None:
+                out.seek(0)
+                self.results[i] = (None if late else proc.returncode, out.read())  # None: killed at the deadline
+                out.close()
+
+    def result(self, i):
+        if i in self.pending:
+            self.pending.remove(i)
+            self.pending.insert(0, i)
+        while i not in self.results:
+            self._reap()
+            while self.pending and len(self.started) - len(self.results) < PARALLEL:
+                self._start_next()
+            if i not in self.results:
+                time.sleep(0.05)
+        return self.results[i]
+
+    def close(self):
+        for i, (proc, out, _) in self.started.items():
+            if i not in self.results:
+                _kill_group(proc)
+                out.close()
+
+
+def _kill_group(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # its own session (start_new_session): whatever it started too
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def bad_flag_runs(tmp_path_factory):
+    runs = BadFlagRuns(tmp_path_factory.mktemp("bad_flags"))
+    try:
+        yield runs
+    finally:
+        runs.close()
+
+
+@pytest.mark.parametrize("case", range(len(BAD_FLAGS)), ids=[f"{n}-{' '.join(f)}" for n, f, _ in BAD_FLAGS])
+def test_bad_flag_is_a_usage_error(case, bad_flag_runs):
+    code, out = bad_flag_runs.result(case)
+    error = BAD_FLAGS[case][2]
+    assert code is not None, f"still running after 120 s:\n{out[-6000:]}"
+    assert code != 0, out[-6000:]
     assert re.search(error, out, re.MULTILINE), f"no line matches {error!r} in:\n{out[-6000:]}"
     assert "Traceback" not in out, out[-6000:]
