@@ -217,8 +217,10 @@ Status Engine::Impl::ConnectToPeers() {
       conn = std::move(fd.value());
       Status hs = ClientHandshake(conn.get(), hs_, config_.rank, self, p, deadline);
       if (hs.ok()) break;
-      // Another of our workers answered, or another build of kungfu: retrying cannot help.
-      if (hs.code() == Code::kAlreadyExists || hs.code() == Code::kInvalidArgument) return hs.WithContext(who);
+      // Another of our workers answered, or one of another build or cluster version: retrying cannot help.
+      if (hs.code() == Code::kAlreadyExists || hs.code() == Code::kInvalidArgument || hs.code() == Code::kAborted) {
+        return hs.WithContext(who);
+      }
       if (hs.code() == Code::kPermissionDenied) refused = hs;
       if (Clock::now() + std::chrono::milliseconds(200) >= deadline) return (refused.ok() ? hs : refused).WithContext(who);
       std::this_thread::sleep_for(std::chrono::milliseconds(200));

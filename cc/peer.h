@@ -3,8 +3,8 @@
 // A PeerList is immutable and carries a version (KUNGFU_CLUSTER_VERSION). Membership is fixed for
 // the life of a job in this version: nothing resizes a cluster yet. The version is reserved for
 // resizing, which a later version adds (a resize would build a new PeerList with a higher version);
-// today a message of another version means a misconfigured launch, and the work it meets fails with
-// Aborted.
+// today another version means a misconfigured launch: the handshake refuses a peer of another version
+// (Start fails with Aborted), and a frame of another version fails the work it meets with Aborted.
 #pragma once
 
 #include <cstdint>

@@ -38,6 +38,36 @@ TEST(Handshake, WrongTokenIsRefused) {
   for (int r = 0; r < 2; ++r) EXPECT_EQ(CodeName(results[r].code()), CodeName(Code::kPermissionDenied));
 }
 
+// Workers started under different cluster versions (a misconfigured launch): the handshake refuses the
+// one of the other version, Start fails at once with Aborted (ClusterChangedError in Python) saying so,
+// not retried until the deadline. The other may then find nobody listening and fail at its own deadline.
+TEST(Handshake, AnotherClusterVersionFailsStartAtOnce) {
+  const PeerList ports = testing::LoopbackPeers(2);
+  std::vector<Status> results(2);
+  std::vector<double> secs(2);
+  RunRanks(2, [&](int r) {
+    EngineConfig c;
+    c.peers = PeerList({ports.at(0), ports.at(1)}, r == 0 ? 0 : 1);
+    c.rank = r;
+    c.token = "t";
+    c.timeout_seconds = 3;
+    const auto t0 = std::chrono::steady_clock::now();
+    auto e = Engine::Start(c);
+    secs[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    results[r] = e.status();
+  });
+  int aborted = 0;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(!results[r].ok());
+    if (results[r].code() != Code::kAborted) continue;
+    ++aborted;
+    EXPECT_TRUE(secs[r] < 2.5);
+    EXPECT_TRUE(results[r].message().find("another cluster version than this worker's " + std::to_string(r)) !=
+                std::string::npos);
+  }
+  EXPECT_TRUE(aborted >= 1);
+}
+
 // Two names of one host, each given the same port (e.g. "node2" and its address in a hostfile): the
 // address of one rank leads to another rank's engine, which listens on every interface, or to this
 // worker's own. The handshake names the rank that signed, so Start fails at once with that, instead of

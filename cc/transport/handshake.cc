@@ -25,14 +25,16 @@ enum Verdict : uint8_t {
   kAccepted = 1,
   kBadToken = 2,
   kNotMember = 3,
-  kWrongVersion = 4,
+  kWrongVersion = 4,  // another protocol: another build of kungfu
+  kWrongCluster = 5,  // another cluster version (KUNGFU_CLUSTER_VERSION)
 };
 
 const char* VerdictText(uint8_t v) {
   switch (v) {
     case kBadToken: return "the job token did not match";
     case kNotMember: return "this worker is not in its peer list";
-    case kWrongVersion: return "cluster or protocol version mismatch";
+    case kWrongVersion: return "it speaks another protocol version: another build of kungfu";
+    case kWrongCluster: return "it works under another cluster version";
     default: return "unknown reason";
   }
 }
@@ -173,7 +175,15 @@ Status ClientHandshake(int fd, const HandshakeParams& params, int self_rank, con
   }
   uint8_t verdict = 0;
   RETURN_IF_ERROR(ReadFull(fd, &verdict, 1, deadline).WithContext("reading the handshake verdict"));
-  if (verdict != kAccepted) return PermissionDenied(std::string("the peer refused us: ") + VerdictText(verdict));
+  // A verdict other than the token's comes from a worker of this job (it checked the token first), so
+  // retrying cannot help: another build (InvalidArgument) or another cluster version (Aborted).
+  const std::string refused = std::string("the peer refused us: ") + VerdictText(verdict);
+  if (verdict == kWrongVersion) return InvalidArgument(refused);
+  if (verdict == kWrongCluster) {
+    return Aborted(refused + " than this worker's " + std::to_string(params.cluster_version) +
+                   " (KUNGFU_CLUSTER_VERSION)");
+  }
+  if (verdict != kAccepted) return PermissionDenied(refused);
   return Status::OK();
 }
 
@@ -247,7 +257,7 @@ Status ServerHandshaker::OnProof(int fd, bool* done) {
     result = InvalidArgument("peer speaks protocol " + std::to_string(hello_version_) + ", this worker " +
                              std::to_string(kHandshakeVersion) + ": another build of kungfu");
   } else if (hello_cluster_version_ != params_.cluster_version) {
-    verdict = kWrongVersion;
+    verdict = kWrongCluster;
     result = InvalidArgument("peer works under cluster version " + std::to_string(hello_cluster_version_) +
                              ", this worker under " + std::to_string(params_.cluster_version));
   } else {

@@ -12,8 +12,9 @@
 Recoverable errors mean "the cluster is not what it was": a caller that can rebuild it (today: restart
 the job from a checkpoint) may carry on; `is_recoverable(exc)` tells which is which. Membership is fixed
 for the life of a job in this version: nothing resizes a cluster, so ClusterChangedError only reports
-workers started with different KUNGFU_CLUSTER_VERSION values (a misconfigured launch). It is reserved
-for resizing, which a later version adds.
+workers started with different KUNGFU_CLUSTER_VERSION values (a misconfigured launch: init() raises it
+when a peer refuses this worker's version at the handshake). It is reserved for resizing, which a later
+version adds.
 
 Where these are raised: kungfu raises them itself from Python (init(), rank() and the collective
 wrappers' own checks). A collective that fails while it runs inside TensorFlow surfaces as the
@@ -65,7 +66,7 @@ class CollectiveTimeout(PeerError):
 class ClusterChangedError(KungFuError):
     """Work started under one cluster version met a message of another. Reserved for resizing, which a
     later version adds; membership is fixed for the life of a job now, so today it only means workers
-    were started with different KUNGFU_CLUSTER_VERSION values."""
+    were started with different KUNGFU_CLUSTER_VERSION values (init() raises it at the handshake)."""
 
     recoverable = True
 
