@@ -213,6 +213,23 @@ def test_missing_rank_is_named_on_timeout():
     assert time.monotonic() - start < 5
 
 
+def test_a_rank_that_started_first_still_hears_which_rank_is_missing():
+    """Each rank's deadline runs from its own start: rank 1 registered, its deadline passed, and it waits
+    on for rank 0's (later) answer, which names the rank that never came."""
+    port = _free_port()
+
+    def late_server():
+        time.sleep(0.6)
+        return _serve(port, 3, timeout=1.0)
+
+    start = time.monotonic()
+    server, client = _in_threads([late_server, lambda: _register(port, 1, 3, timeout=1.0)])
+    assert isinstance(server, TimeoutError) and "rank(s) [2] of 3 never registered" in str(server), repr(server)
+    assert isinstance(client, TimeoutError) and "gave up on rank 1: rank(s) [2] of 3 never registered" in \
+        str(client), repr(client)
+    assert time.monotonic() - start < 5
+
+
 def test_every_rank_raises_collective_timeout_when_one_never_comes(tmp_path):
     results = _mpirun(tmp_path, 3, ["-x", "KUNGFU_TIMEOUT=2"], script=INIT_SCRIPT, script_args=["1"])
     assert sorted(results) == [0, 2], results

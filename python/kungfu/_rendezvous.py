@@ -216,8 +216,13 @@ def _connect(address, deadline, rank):
                        "reachable from here (KUNGFU_RENDEZVOUS)?")
 
 
+ANSWER_GRACE = 10.0  # seconds a registered rank waits past its own deadline for rank 0's answer (at most timeout)
+
+
 def register(address, rank, size, peer, job="", token="", timeout=60.0):
-    """Rank > 0: registers peer with rank 0 at address; returns (peers, token)."""
+    """Rank > 0: registers peer with rank 0 at address; returns (peers, token). Once registered it waits for
+    rank 0's answer up to ANSWER_GRACE past its own deadline: rank 0's deadline runs from its own start,
+    which may come later, and its answer names the ranks that never registered."""
     deadline = time.monotonic() + timeout
     msg = {"proto": PROTOCOL, "job": job, "rank": rank, "size": size, "peer": peer}
     if token:
@@ -225,7 +230,8 @@ def register(address, rank, size, peer, job="", token="", timeout=60.0):
     where = f"rank 0's rendezvous at {address[0]}:{address[1]}"
     with _connect(address, deadline, rank) as sock:
         send_message(sock, msg, deadline, f"registering with {where}")
-        reply = recv_message(sock, deadline, f"waiting for {where} to hear from all {size} ranks")
+        reply = recv_message(sock, deadline + min(ANSWER_GRACE, timeout),
+                             f"waiting for {where} to hear from all {size} ranks")
     if "error" in reply:
         if reply.get("timed_out") is True:  # rank 0 raises TimeoutError too: every rank fails alike
             raise TimeoutError(f"{where} gave up on rank {rank}: {reply['error']}")
