@@ -38,6 +38,8 @@ from launcher_util import reaper  # noqa: F401  (a fixture)
     (["-np", "1", "-H", "[::1]:1", "--", "x"], "IPv6"),
     (["-np", "1", "-H", "fe80::1", "--", "x"], "IPv6"),
     (["-np", "1", "-H", "2001:4860:4860::8888", "--", "x"], "IPv6"),
+    (["-np", "1", "-H", "fe80:0:0:0:0:0:0:1%eth0", "--", "x"], "IPv6"),
+    (["-np", "1", "-H", "a:2:", "--", "x"], "'a:2:' is not host or host:N"),  # not IPv6: a stray colon
     (["-np", "2", "-H", "10.1.0.1:1;10.1.0.2:1", "--", "x"], "hosts are separated by commas"),
     (["-np", "1", "-H", "10.1.0.1:2:3", "--", "x"], "is not host or host:N"),
     (["-np", "2", "-H", "10.1.0.1", "slots=2", "--", "x"], "-H takes host:N"),

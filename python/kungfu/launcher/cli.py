@@ -50,7 +50,8 @@ def _define_flags():
                               flag_values=fv)
     flags.DEFINE_string("hostfile", None, "File of 'host slots=N [max_slots=M]' or 'host:N' lines; # comments; as "
                         "with mpirun, each further line of a host adds one slot.", flag_values=fv)
-    flags.DEFINE_float("timeout", 60.0, "Seconds; every blocking wait in a worker (KUNGFU_TIMEOUT; default: "
+    # No absl default: --help would print it, where the default is $KUNGFU_TIMEOUT when set (_timeout).
+    flags.DEFINE_float("timeout", None, "Seconds; every blocking wait in a worker (KUNGFU_TIMEOUT; default: "
                        "$KUNGFU_TIMEOUT if set, else 60).", flag_values=fv)
     flags.DEFINE_float(
         "grace", None, "Seconds the others may run on after a worker fails, before SIGTERM "
@@ -125,8 +126,9 @@ def _seconds(name, value, low, high=_env.TIMEOUT_MAX, low_open=True):
 def _timeout(fv):
     """--timeout, else KUNGFU_TIMEOUT from kfrun's environment (as the workers would have read it), else 60;
     within the engine's range (kungfu._env.TIMEOUT_MIN..TIMEOUT_MAX). The error names where it came from."""
-    if fv["timeout"].present or "KUNGFU_TIMEOUT" not in os.environ:
-        return _seconds("timeout", fv.timeout, _env.TIMEOUT_MIN, _env.TIMEOUT_MAX, low_open=False)
+    if fv.timeout is not None or "KUNGFU_TIMEOUT" not in os.environ:
+        timeout = 60.0 if fv.timeout is None else fv.timeout
+        return _seconds("timeout", timeout, _env.TIMEOUT_MIN, _env.TIMEOUT_MAX, low_open=False)
     try:
         return _env.parse_timeout(os.environ["KUNGFU_TIMEOUT"])
     except ValueError as e:

@@ -7,6 +7,7 @@ one pool of ports and one LOCAL_RANK numbering.
 
 import codecs
 import dataclasses
+import ipaddress
 import socket
 
 LOCAL_MACHINE = "<local>"  # machine key shared by every name of this machine
@@ -37,13 +38,19 @@ def _check_host_name(host, where):
     return host
 
 
-_IPV6_CHARS = set("0123456789abcdefABCDEF:.%")
+def _looks_like_ipv6(entry):
+    """[addr]..., anything with '::', or a whole IPv6 address (zone included), but not 'a:2:' or 10.1.0.2:4:1."""
+    if entry.startswith("[") or "::" in entry:
+        return True
+    try:
+        return isinstance(ipaddress.ip_address(entry.partition("%")[0]), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 def _parse_entry(entry, where):
     """'host:N' or 'host' (1 slot); returns (host, N or None)."""
-    if entry.startswith("[") or "::" in entry or (entry.count(":") > 1 and set(entry) <= _IPV6_CHARS
-                                                  and "." not in entry):  # not 10.1.0.2:4:1
+    if _looks_like_ipv6(entry):
         raise UsageError(f"{where}: '{entry}' looks like an IPv6 address; the engine speaks IPv4 only, so give "
                          "a host name or an IPv4 address")
     if entry.count(":") > 1 or ";" in entry:
