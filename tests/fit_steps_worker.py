@@ -8,7 +8,10 @@ the first step, does not show. CASE:
   arrays        arrays of 9 and 8 rows, batch 4, steps_per_epoch=2: Keras keeps the arrays' iterator across
                 epochs, so rank 0's epoch 1 ends after one batch ("ran out of data") and rank 1's after two;
   dataset       datasets of 4 and 5 batches, not repeated, steps_per_epoch=5: rank 0's epoch 0 ends at the
-                fetch that finds its data exhausted.
+                fetch that finds its data exhausted;
+  stopped       the same data everywhere, but a callback listed before BroadcastGlobalVariablesCallback stops
+                rank 0's fit after epoch 0 (EarlyStopping judging its own shard): rank 1's epoch-end check
+                must say that another worker stopped training, not that its own data ran out.
 BroadcastGlobalVariablesCallback compares the batches begun at each epoch's end: the worker whose data ran
 out first must raise ValueError there saying why (after KUNGFU_TIMEOUT), and never start its next epoch with
 the other's extra batch as its partner (which, with the same shapes, trained on silently); the other fails
@@ -72,9 +75,32 @@ def epochs_that_end_apart_fail():
         raise AssertionError(f"rank {rank} began epochs {epochs}: it trained past epoch {short_epoch}")
 
 
+def a_worker_that_stops_alone_is_named():
+    rank = kungfu.rank()
+    x = np.random.RandomState(rank).normal(size=(2 * BATCH, 3)).astype(np.float32)
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model.compile(optimizer=kungfu.optimizers.SynchronousSGDOptimizer(keras.optimizers.SGD(0.1)), loss="mse")
+
+    class StopRank0(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.model.stop_training = self.model.stop_training or rank == 0
+
+    callbacks = [StopRank0(), kf_callbacks.BroadcastGlobalVariablesCallback(0)]
+    try:
+        model.fit(x, x[:, :1], batch_size=BATCH, epochs=3, verbose=0, callbacks=callbacks)
+    except ValueError as e:
+        if rank != 1 or "another worker stopped training before this worker's epoch 0 ended" not in str(e) or \
+                "rank 0" not in str(e):
+            raise AssertionError(f"unexpected ValueError on rank {rank}: {e}") from e
+    else:
+        if rank != 0:
+            raise AssertionError("rank 1 trained on after rank 0 stopped")
+
+
 def main():
     kungfu.init()
-    sys.exit(1 if mp.run_checks([epochs_that_end_apart_fail], kungfu.rank()) else 0)
+    check = a_worker_that_stops_alone_is_named if sys.argv[1] == "stopped" else epochs_that_end_apart_fail
+    sys.exit(1 if mp.run_checks([check], kungfu.rank()) else 0)
 
 
 if __name__ == "__main__":

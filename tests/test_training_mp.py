@@ -105,3 +105,12 @@ def test_epochs_that_end_apart_fail_at_the_epoch_end(tmp_path, case):
     code, out = launch(2, [worker, case], tmp_path, timeout=5, budget=120)
     problems = checks_problems(out, ["epochs_that_end_apart_fail"], 2)
     assert not problems, "\n".join(problems) + "\n" + out[-4000:]
+
+
+def test_a_worker_whose_callback_stopped_its_fit_alone_is_named_at_the_epoch_end(tmp_path):
+    """EarlyStopping-like, listed before BroadcastGlobalVariablesCallback, on rank 0 only: see
+    tests/fit_steps_worker.py."""
+    worker = os.path.join(REPO, "tests", "fit_steps_worker.py")
+    code, out = launch(2, [worker, "stopped"], tmp_path, timeout=5, budget=120)
+    problems = checks_problems(out, ["a_worker_that_stops_alone_is_named"], 2)
+    assert not problems, "\n".join(problems) + "\n" + out[-4000:]

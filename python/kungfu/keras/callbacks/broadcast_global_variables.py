@@ -159,10 +159,16 @@ def _check_same_epoch_end(batches, epoch, steps=None):
     try:
         counts = [int(c) for c in all_gather(tf.constant([batches], tf.int64), name="kungfu/epoch_steps").numpy()]
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
+        said = e.message or str(e)
+        if isinstance(e, tf.errors.UnavailableError) and ("has begun to finalize" in said or "has left the cluster"
+                                                          in said):
+            # A callback ahead of this one stopped that worker's fit (its on_epoch_end skips this check).
+            raise ValueError(f"model.fit: another worker stopped training before this worker's epoch {epoch} "
+                             f"ended: {said}") from e
         if steps is None:
             why = "the workers' datasets, of unknown length, gave them different numbers of batches"
         else:
-            why = (f"with steps_per_epoch={steps}, Keras ends an epoch early where a worker's input runs out (see its "
+            why = (f"with {steps} steps per epoch, Keras ends an epoch early where a worker's input runs out (see its "
                    "\"ran out of data\" warning), and this worker's ran out where another's did not")
         raise ValueError(f"model.fit: this worker's epoch {epoch} ran out of data after {batches} batch(es) begun, "
                          "and another worker's did not end with it (it still trained, waiting for this worker's "
