@@ -200,8 +200,8 @@ class GNSBatchSizePolicy(BasePolicy):
         if values["last_step"] is None or float(values["last_step"]) <= 0:
             return None
         step, batch, target, gain, gns, changed = (float(v) for v in values.values())
-        if not gns > 0:  # the monitor has no estimate yet: the policy keeps the batch whatever the model says
-            return f"step {step:.0f}: no noise scale estimate yet: kept batch {batch:.0f}"
+        if not gns > 0:  # no usable estimate (none yet, or EMA |G|^2 <= 0): the batch is kept
+            return f"step {step:.0f}: no usable noise scale estimate: kept batch {batch:.0f}"
         head = f"step {step:.0f}: noise scale {gns:.0f}, target {target:.0f} (predicted gain {gain:+.1%})"
         if changed == step:
             return f"{head}: batch {batch:.0f} -> {target:.0f}"

@@ -344,7 +344,8 @@ def monitors_of(optimizer=None):
 def latest(optimizer=None):
     """The latest monitor values, a dict of Python floats keyed "gns", "grad_variance", "snr",
     "samples_per_sec" and "step_time". Every key is there; a monitor not requested is None, and
-    samples_per_sec is None without local_batch_size. 0 means "no estimate yet".
+    samples_per_sec is None without local_batch_size. 0 means "no usable estimate" (none yet; for gns also
+    while EMA |G|^2 is not positive).
 
     optimizer: a wrapped optimizer, or an optimizer's name; or a kungfu.rewrite(..., monitors=[...])
     step, or its function's name; by default the most recently created one with monitors. gns,
@@ -364,7 +365,8 @@ def update_count(optimizer=None):
 def collective_stats(reset=False):
     """This worker's counters per collective, keyed by the name of the collective the engine ran (a
     group all-reduce's are "<key>/<i>", i the part's place in its fusion plan, e.g. a gradient bucket's
-    "one_step_on_data/kungfu/switch_case/indexed_case/group_all_reduce/0" in model.fit or
+    "one_step_on_data/kungfu/switch_case/indexed_case/ssgd/group_all_reduce/0" in model.fit (the prefix
+    follows the step's structure: ".../kungfu/cond/switch_case/..." with gradient accumulation) or
     "kungfu.rewrite/train_step/ssgd/0/0"; a kungfu.all_reduce(x, name="n") is "n"), counted by
     the engine since kungfu.init() or the last reset:
 

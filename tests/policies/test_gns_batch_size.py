@@ -234,7 +234,7 @@ def test_describe_last_and_state_for_logs():
     s = state(p)
     assert (s.last_step, s.last_batch, s.last_change, s.num_changes) == (2, 512, 1, 1)
     p.after_step(ctx(3, 512, gns=0.0))  # no estimate: no target or gain to report
-    assert p.describe_last() == "step 3: no noise scale estimate yet: kept batch 512"
+    assert p.describe_last() == "step 3: no usable noise scale estimate: kept batch 512"
 
 
 def test_needs_the_batch_size_reading():

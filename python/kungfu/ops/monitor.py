@@ -4,7 +4,7 @@ The caller brings the squared gradient norms (this worker's, and the all-reduced
 it likes); these functions turn them into estimates. None of them talks to other workers, and none
 needs kungfu.init(). Formulas, EMA and the handling of negative and non-finite values:
 docs/monitoring.md ("Operators"). Every result is a float32 scalar tensor and never NaN or inf:
-0 means "no estimate yet".
+0 means "no usable estimate" (none yet; for gns also while EMA |G|^2 is not positive).
 
 All work eagerly and inside tf.function. The gradient noise scale keeps an EMA per `key` in a
 process-wide registry in the library, so it continues across retracing and across functions that use
@@ -50,7 +50,7 @@ def gradient_noise_scale(local_sq_norm, global_sq_norm, local_batch, global_batc
     global_sq_norm: |G_big|^2, the squared norm of the all-reduced (mean) gradient at global_batch.
     key: the monitor's name; its EMAs persist across calls (and retracing) until reset_monitor(key).
     alpha: EMA weight of a new estimate, in (0, 1].
-    Returns {"gns", "g_sq", "trace"}: B_simple (0 = no estimate yet), EMA(|G|^2), EMA(tr Sigma).
+    Returns {"gns", "g_sq", "trace"}: B_simple (0 = no usable estimate), EMA(|G|^2), EMA(tr Sigma).
     A NaN or inf norm leaves the EMAs unchanged (so feeding NaN skips a step). Raises
     tf.errors.InvalidArgumentError unless global_batch > local_batch > 0.
     """

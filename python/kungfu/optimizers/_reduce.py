@@ -9,9 +9,11 @@ an op, tensors smaller than fusion_bytes are packed into one network collective.
 
 A tf.IndexedSlices gradient (an embedding lookup's) is not densified: its indices and values are
 all-gathered (the first dimension differs between workers) and the values divided by the number of
-workers, which sums to the same dense mean. Rows that several workers touch appear more than once;
-optimizers add duplicates (ResourceScatterAdd/Sub), so the result is the dense mean.
-sparse_as_dense=True densifies instead, which is cheaper when most rows are touched anyway.
+workers. Rows that several workers touch appear more than once, as in one process's gradient of the
+combined batch: SGD and momentum add the duplicates (ResourceScatterAdd/Sub), so for them it is the dense
+mean; optimizers with per-row state (Adam, RMSprop, Adagrad) update a row given as duplicates differently
+from the row summed (docs/training.md, "Sparse"). sparse_as_dense=True densifies instead, so the optimizer
+sees the dense mean (cheaper, too, when most rows are touched anyway).
 """
 
 import logging
