@@ -278,13 +278,18 @@ def test_root_rank_is_horovods_spelling_of_root():
     assert v.numpy().tolist() == [1.0, 2.0]
     assert kungfu.broadcast_object({"a": 1}, root_rank=0) == {"a": 1}
     assert callbacks.BroadcastGlobalVariablesCallback(root_rank=0).root == 0
+    assert kungfu.broadcast(tf.constant([3.0]), root_rank=0).numpy().tolist() == [3.0]
+    assert tf.function(lambda: kungfu.broadcast(tf.constant([4]), root=0, root_rank=0))().numpy().tolist() == [4]
     for call in (lambda: kungfu.broadcast_variables([v], root=1, root_rank=0),
+                 lambda: kungfu.broadcast(tf.constant([1.0]), root=1, root_rank=0),
                  lambda: kungfu.broadcast_object(1, root=0, root_rank=1),
                  lambda: callbacks.BroadcastGlobalVariablesCallback(root=0, root_rank=1)):
         with pytest.raises(ValueError, match="root_rank="):
             call()
     with pytest.raises(ValueError, match="root must be a rank"):
         kungfu.broadcast_object(1, root_rank=3)  # checked as root= is
+    with pytest.raises(ValueError, match="root must be a rank"):
+        kungfu.broadcast(tf.constant([1.0]), root_rank=3)
 
 
 def test_load_model_of_a_legacy_h5_file_says_it_kept_no_optimizer_state(tmp_path):

@@ -13,6 +13,8 @@ import numbers
 import tensorflow as tf
 
 from .. import _lib
+from .._variables import DEFAULT_ROOT
+from .._variables import root_alias
 from . import _direct, _naming
 
 
@@ -170,17 +172,21 @@ def check_root(root, what):
 
 
 @_no_autograph
-def broadcast(x, root=0, name=None):
-    """Every worker gets root's x. Every worker must pass the same dtype and number of elements."""
+def broadcast(x, root=DEFAULT_ROOT, name=None, *, root_rank=None):
+    """Every worker gets root's x. Every worker must pass the same dtype and number of elements.
+
+    root_rank= is Horovod's spelling of root= (hvd.broadcast(x, root_rank=0)).
+    """
     fast = _direct.short()
-    if fast is not None and type(root) is int and 0 <= root < _lib.size():  # the short way (_direct.short)
+    if fast is not None and root_rank is None and (type(root) is int or root is DEFAULT_ROOT) and \
+            0 <= root < _lib.size():  # the short way (_direct.short)
         key = _naming.eager_key_bytes("broadcast", name)
         if key is not None:
             y = fast.broadcast(x, root, key)
             if y is not None:
                 return _direct.outcome(y)
     _lib.require_init("kungfu.broadcast")
-    root = check_root(root, "broadcast")
+    root = check_root(root_alias(root, root_rank, "kungfu.broadcast"), "broadcast")
     x = _tensor(x, COPY_DTYPES, "broadcast")
     if _direct_call():
         y = _direct.broadcast(x, root, _naming.collective_key("broadcast", name, True))
