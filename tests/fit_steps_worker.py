@@ -11,7 +11,7 @@ the first step, does not show. CASE:
                 fetch that finds its data exhausted;
   stopped       the same data everywhere, but a callback listed before BroadcastGlobalVariablesCallback stops
                 rank 0's fit after epoch 0 (EarlyStopping judging its own shard): rank 1's epoch-end check
-                must say that another worker stopped training, not that its own data ran out.
+                must say first that another worker left training, not that its own data ran out.
 BroadcastGlobalVariablesCallback compares the batches begun at each epoch's end: the worker whose data ran
 out first must raise ValueError there saying why (after KUNGFU_TIMEOUT), and never start its next epoch with
 the other's extra batch as its partner (which, with the same shapes, trained on silently); the other fails
@@ -89,7 +89,7 @@ def a_worker_that_stops_alone_is_named():
     try:
         model.fit(x, x[:, :1], batch_size=BATCH, epochs=3, verbose=0, callbacks=callbacks)
     except ValueError as e:
-        if rank != 1 or "another worker stopped training before this worker's epoch 0 ended" not in str(e) or \
+        if rank != 1 or "another worker left training before this worker's epoch 0 ended" not in str(e) or \
                 "rank 0" not in str(e):
             raise AssertionError(f"unexpected ValueError on rank {rank}: {e}") from e
     else:

@@ -159,23 +159,24 @@ def _check_same_epoch_end(batches, epoch, steps=None):
     try:
         counts = [int(c) for c in all_gather(tf.constant([batches], tf.int64), name="kungfu/epoch_steps").numpy()]
     except (tf.errors.DeadlineExceededError, tf.errors.UnavailableError) as e:
-        said = e.message or str(e)
-        if isinstance(e, tf.errors.UnavailableError) and ("has begun to finalize" in said or "has left the cluster"
-                                                          in said):
-            # A callback ahead of this one stopped that worker's fit (its on_epoch_end skips this check).
-            raise ValueError(f"model.fit: another worker stopped training before this worker's epoch {epoch} "
-                             f"ended: {said}") from e
         if steps is None:
             why = "the workers' datasets, of unknown length, gave them different numbers of batches"
         else:
             why = (f"with {steps} steps per epoch, Keras ends an epoch early where a worker's input runs out (see its "
                    "\"ran out of data\" warning), and this worker's ran out where another's did not")
-        raise ValueError(f"model.fit: this worker's epoch {epoch} ran out of data after {batches} batch(es) begun, "
-                         "and another worker's did not end with it (it still trained, waiting for this worker's "
-                         f"gradients): {why}. Give each worker the same number of batches (e.g. "
-                         "kungfu.data.AdaptiveDataset, take() the same count, or .repeat() the data with the same "
-                         "steps_per_epoch). Or another worker stopped training on its own (a callback such as "
-                         "EarlyStopping listed before the MetricAverageCallback, judging its own shard)") from e
+        data = (f"this worker's epoch {epoch} ran out of data after {batches} batch(es) begun, and another worker's "
+                f"did not end with it (it still trained, waiting for this worker's gradients): {why}. Give each "
+                "worker the same number of batches (e.g. kungfu.data.AdaptiveDataset, take() the same count, or "
+                ".repeat() the data with the same steps_per_epoch)")
+        stopped = ("a callback stopped that worker's fit on its own (such as EarlyStopping judging its own shard: "
+                   "list MetricAverageCallback before it)")
+        said = e.message or str(e)
+        if isinstance(e, tf.errors.UnavailableError) and ("has begun to finalize" in said or "has left the cluster"
+                                                          in said):
+            # It left: after its extra step failed (data), or without this check (its fit was stopped).
+            raise ValueError(f"model.fit: another worker left training before this worker's epoch {epoch} ended "
+                             f"({said}). Either {stopped}, or {data}") from e
+        raise ValueError(f"model.fit: {data}. Or {stopped}") from e
     if len(set(counts)) > 1:
         shown = ", ".join(f"rank {r}: {c}" for r, c in enumerate(counts))
         raise ValueError(f"model.fit: the workers' epoch {epoch} began different numbers of batches ({shown}); "
