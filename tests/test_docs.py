@@ -10,7 +10,9 @@ only compiled; every other block runs, so a block added to the docs is run unles
 import faulthandler
 import glob
 import os
+import subprocess
 import tempfile
+import threading
 import time
 import warnings
 
@@ -79,24 +81,40 @@ def given():
 STALL_SECONDS = 20
 
 
+def _busiest_processes():
+    """ps's list of the processes using the most CPU, or why there is none."""
+    try:
+        return subprocess.run(["ps", "-eo", "pid,ppid,pcpu,etime,rss,args", "--sort=-pcpu"], capture_output=True,
+                              text=True, timeout=10).stdout.splitlines()[:12]
+    except (OSError, subprocess.SubprocessError) as e:
+        return [f"ps: {e}"]
+
+
 @pytest.fixture(autouse=True)
 def stall_watch(request):
-    """Each block takes 3 s at most, yet in a few full runs one took about 40 s (a different block each time,
-    never when run alone; the cause is not known). Past STALL_SECONDS this dumps every Python thread's stack
-    into a file, and the test then warns with it: the warnings summary at the end of the run shows where
-    the block waited. (It replaces pytest's faulthandler_timeout for these tests.)"""
+    """Each block takes 3 s at most, yet in a few full runs one took 40 to 80 s (a different block each time,
+    never when run alone; the cause is not known: the one stack caught, on 2026-11-29, was Python busy
+    tracing model.fit's step, not waiting). Past STALL_SECONDS this dumps every Python thread's stack into a
+    file and lists the processes with the highest CPU share (ps), and the test then warns with both: the warnings summary
+    at the end of the run shows them. (It replaces pytest's faulthandler_timeout for these tests.)"""
+    busiest = []
+    timer = threading.Timer(STALL_SECONDS, lambda: busiest.extend(_busiest_processes()))
     with tempfile.TemporaryFile("w+") as dump:
         faulthandler.dump_traceback_later(STALL_SECONDS, file=dump)
+        timer.start()
         start = time.monotonic()
         try:
             yield
         finally:
             faulthandler.cancel_dump_traceback_later()
+            timer.cancel()
+            timer.join()
         dump.seek(0)
         stacks = dump.read()
         if stacks:
-            warnings.warn(f"{request.node.nodeid} took {time.monotonic() - start:.1f} s; every Python thread's "
-                          f"stack after {STALL_SECONDS} s:\n{stacks}")
+            top = "\n".join(busiest)
+            warnings.warn(f"{request.node.nodeid} took {time.monotonic() - start:.1f} s; the busiest processes "
+                          f"after {STALL_SECONDS} s:\n{top}\nevery Python thread's stack:\n{stacks}")
 
 
 def test_docs_have_python_blocks_and_every_outline_is_one_of_them():
